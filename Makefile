@@ -1,0 +1,69 @@
+# Inside DeepInfer: every target creates or updates .venv itself.
+#   make serve     the book at http://127.0.0.1:8000, rebuilt when docs/, snippets/ or engine/ change
+#   make test      install everything, then run the whole test suite
+#   make build     mkdocs build --strict
+#   make snippets  the drift guard alone: re-run every snippet and diff it with its recorded output
+#   make regen     rewrite every recorded output, plot and the edition manifest (nothing else writes)
+#   make lint      ruff check and ruff format --check
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build the book's outputs are recorded with. On machines whose pip does
+# not see it locally, set TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+# Material prints a notice about MkDocs 2 on every build; the book pins MkDocs 1.
+export NO_MKDOCS_2_WARNING := 1
+
+.PHONY: serve build test snippets regen lint chromium clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# The site alone: what `make serve` and `make build` need, and no torch.
+$(VENV)/.docs: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --group docs
+	touch $@
+
+# Everything: the engine (editable), torch, triton, the test-only oracle and tools.
+$(VENV)/.all: pyproject.toml $(VENV)/.docs
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e . --group docs --group test
+	touch $@
+
+serve: $(VENV)/.docs
+	$(BIN)/mkdocs serve -a 127.0.0.1:8000
+
+build: $(VENV)/.docs
+	$(BIN)/mkdocs build --strict
+
+# The browser test drives the system chromium; install it when it is missing
+# and we may (root), as on a fresh CI machine.
+chromium:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || { echo "error: could not install chromium with apt-get"; exit 1; }; \
+	  else \
+	    echo "note: /usr/bin/chromium is missing and we are not root; the browser test will fail"; \
+	  fi; \
+	fi
+
+test: $(VENV)/.all chromium
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+snippets: $(VENV)/.all
+	$(BIN)/python -m pytest tests/test_snippets.py $(PYTEST_ARGS)
+
+regen: $(VENV)/.all
+	$(BIN)/python snippets/_runner.py regen
+
+lint: $(VENV)/.all
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf site build test-artifacts .pytest_cache
