@@ -1,0 +1,62 @@
+"""Plot: the decode-step roofline of Experiment 2 (tokens/s against batch size).
+
+Usage: python snippets/plots/decode_roofline.py OUT.svg
+The curves come from the experiment's own functions, imported by path.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENT = ROOT / "snippets" / "ch01" / "e02_decode_roofline.py"
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(out: str) -> None:
+    e02 = load(EXPERIMENT)
+    plt.rcParams.update({"svg.hashsalt": "inside-deepinfer", "svg.fonttype": "none"})
+    batches = list(range(1, 1025))
+    memory_roof = [b / e02.step_times(b)[0] for b in batches]
+    compute_roof = e02.PEAK_FLOP_PER_S / (2 * e02.PARAMS)
+    achieved = [e02.tokens_per_s(b) for b in batches]
+    ridge = e02.ridge_batch()
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(batches, memory_roof, "--", color="tab:blue", lw=1, label="weight reads alone")
+    ax.axhline(compute_roof, ls="--", color="tab:orange", lw=1, label="tensor-core peak alone")
+    ax.plot(batches, achieved, color="black", lw=2, label="decode step: the slower bound")
+    ax.axvline(ridge, color="grey", lw=0.8, ls=":")
+    ax.annotate(
+        f"ridge: batch {ridge:.0f}",
+        xy=(ridge, compute_roof),
+        xytext=(ridge * 1.4, compute_roof / 8),
+        arrowprops={"arrowstyle": "->", "color": "grey"},
+    )
+    ax.set_xscale("log", base=2)
+    ticks = [1, 4, 16, 64, 256, 1024]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_yscale("log")
+    ax.set_ylim(100, 400_000)
+    ax.set_xlabel("batch size (requests sharing one decode step)")
+    ax.set_ylabel("tokens per second")
+    ax.set_title("Llama-3-8B-like model on H200 published figures (model, not measured)")
+    ax.grid(True, which="major", lw=0.4, alpha=0.5)
+    ax.legend(loc="upper left", frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, format="svg", metadata={"Date": None, "Creator": None})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
