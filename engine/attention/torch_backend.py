@@ -1,0 +1,88 @@
+"""The reference attention backend, in plain torch.
+
+It reads each sequence's keys and values out of the paged cache through its
+block table and calls scaled_dot_product_attention. Decodes run as one padded
+batch; prompt chunks run one sequence at a time, with a causal mask offset by
+the tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata
+
+
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[seqs, blocks] block ids -> [seqs, blocks * block_size, kv_heads, head_dim].
+
+    Copying whole blocks keeps each copy a contiguous run of memory, which is
+    much faster than gathering one slot at a time.
+    """
+    return cache[tables].flatten(1, 2)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Work shared by every layer, done once per step: which blocks to read,
+        and which of the positions read are real (and causal)."""
+        d = meta.num_decodes
+        tables = meta.block_tables.clamp(min=0).long()  # -1 padding reads block 0, masked
+        if d:
+            width = max(meta.context_lens_cpu[:d])
+            blocks = -(-width // block_size)
+            pos = torch.arange(blocks * block_size, device=tables.device)
+            valid = pos < meta.context_lens[:d, None]
+            meta.prepared["decode"] = (tables[:d, :blocks], valid[:, None, None, :])
+        chunks = []
+        starts = meta.cu_seqlens_q.tolist()
+        for i in range(d, len(meta.query_lens_cpu)):
+            n, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
+            if n == ctx:  # no cached prefix: attend over the new tokens themselves
+                chunks.append((starts[i], n, None, None))
+                continue
+            blocks = -(-ctx // block_size)
+            q_pos = torch.arange(ctx - n, ctx, device=tables.device)  # query j sits at ctx-n+j
+            mask = torch.arange(ctx, device=tables.device) <= q_pos[:, None]
+            chunks.append((starts[i], n, tables[i : i + 1, :blocks], mask))
+        meta.prepared["prefill"] = chunks
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        """Write this step's keys and values into their slots."""
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim],
+        already stored in the cache. The result has q's shape."""
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:  # one query per sequence: pad the contexts and mask the padding
+            tables, valid = meta.prepared["decode"]
+            ks = gather_blocks(k_cache, tables).transpose(1, 2)  # [d, kv_heads, L, head_dim]
+            vs = gather_blocks(v_cache, tables).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[:d, :, None, :], ks, vs, attn_mask=valid, scale=scale, enable_gqa=True
+            )
+            out[:d] = o[:, :, 0, :]
+        for start, n, tables, mask in meta.prepared["prefill"]:
+            if tables is None:  # a whole prompt: its keys are the new ones, causal
+                ks, vs = k[start : start + n], v[start : start + n]
+            else:  # a later chunk, or a prefix-cache hit: read the prefix from the cache
+                ctx = mask.shape[1]
+                ks = gather_blocks(k_cache, tables)[0, :ctx]
+                vs = gather_blocks(v_cache, tables)[0, :ctx]
+            o = F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1)[None],
+                ks.transpose(0, 1)[None],
+                vs.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start : start + n] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,139 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, a free list, reference
+counts, and a prefix cache that lets requests share blocks they both computed.
+
+The cache tensors themselves live in the model runner. This module only decides
+which physical block holds which logical block of which sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence as TokenList
+
+from engine.sequence import Sequence
+
+
+class Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0  # sequences whose block table holds this block
+        self.hash: bytes | None = None  # set once the block is full and computed
+        self.token_ids: tuple[int, ...] = ()  # kept to verify a hash hit
+
+
+def chain_hash(parent: bytes | None, token_ids: TokenList[int]) -> bytes:
+    """A full block's identity: its tokens *and* everything before them.
+
+    Hashing the parent's hash in means two blocks with the same tokens but
+    different prefixes get different hashes, so a hit on block i implies that
+    blocks 0..i-1 matched too.
+    """
+    h = hashlib.sha256(parent or b"")
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks no sequence holds, least recently freed first. A freed block that
+        # is still in the prefix cache keeps its hash until it is reused.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[bytes, int] = {}  # hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """The cached blocks that hold a prefix of ``token_ids``, in order.
+
+        The last token is never matched: the model must still run on at least
+        one token to produce the logits for the next one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, chunk)
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break  # a miss, or a hash collision caught by comparing tokens
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, hits: list[int], num_tokens: int) -> bool:
+        """Would taking these cached blocks plus fresh ones cover ``num_tokens``?"""
+        idle_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        fresh = self.blocks_needed(num_tokens) - len(hits)
+        return fresh <= self.num_free_blocks - idle_hits
+
+    def take_cached(self, seq: Sequence, hits: list[int]) -> None:
+        """Share the prefix blocks a match found; their tokens need no compute."""
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]  # no longer free to reclaim
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        seq.num_computed_tokens = len(hits) * self.block_size
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the block table to hold ``num_tokens`` slots; all or nothing."""
+        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._reclaim())
+        return True
+
+    def _reclaim(self) -> int:
+        """Pop the least recently freed block; if it was cached, forget it."""
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            del self.cached_blocks[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's hold on its blocks. A block returns to the free list
+        only when no other sequence holds it; a cached block keeps its contents
+        there, so a later request with the same prefix can still hit it."""
+        for block_id in reversed(seq.block_table):  # tail first: prefixes are reused
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than held"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.hash is None:  # nothing worth keeping: reuse it first
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish every block that is now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(len(seq.block_hashes), full):
+            chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(parent, chunk)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.cached_blocks:  # first writer wins; twins stay private
+                self.cached_blocks[h] = block.block_id
+                block.hash, block.token_ids = h, chunk

@@ -1,0 +1,90 @@
+"""The offline API: LLM(model).generate(prompts) runs the engine loop until
+every request is done, and returns the outputs in the order of the prompts."""
+
+from __future__ import annotations
+
+import time
+from itertools import count
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype | str | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        attention_backend: str | None = None,
+        seed: int = 0,
+        **kwargs,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend,
+            seed=seed,
+            **kwargs,
+        )
+        self.llm_engine = LLMEngine(config)
+        self._ids = count()
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.llm_engine.stats
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.llm_engine
+        # Check every request before queueing any, so a bad one loses nothing.
+        seqs = [engine.make_sequence(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params)]
+        for seq in seqs:
+            engine.add_sequence(seq)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            start, tokens = time.perf_counter(), 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens += 1
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s out")
+        return [finished[seq.request_id] for seq in seqs]

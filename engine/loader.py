@@ -1,0 +1,58 @@
+"""Loading a Hugging Face checkpoint folder: config.json, safetensors weights
+(one file, or shards listed by an index), and tokenizer.json. Nothing is
+fetched from a hub: the folder must hold everything."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.models import build_model
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / shard for shard in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        if not file.is_file():
+            raise ValueError(f"the index names a shard that is missing: {file}")
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_model(config: EngineConfig) -> nn.Module:
+    """Build the model on its device in its dtype, then copy the weights in."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(config.device):
+            model = build_model(config.hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        model.load_weights(iterate_weights(Path(config.model)))
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    """tokenizer.json through the `tokenizers` library; None if the folder has none
+    (such a model can still be driven with token ids)."""
+    file = path / "tokenizer.json"
+    return Tokenizer.from_file(str(file)) if file.is_file() else None

@@ -1,0 +1,76 @@
+"""A request as the engine tracks it: its tokens, how many are in the KV cache,
+and which cache blocks hold them."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from itertools import count
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued, or preempted and queued again
+    RUNNING = auto()  # holds cache blocks and is scheduled every step
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request. Everything the scheduler decides follows from two numbers:
+    how many tokens the sequence has (``num_tokens``) and how many of them
+    already have keys and values in the cache (``num_computed_tokens``)."""
+
+    _arrivals = count()
+
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.seq_id = next(Sequence._arrivals)  # arrival order: lower is older
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed  # the request's own random stream (see layers/sampler.py)
+        self.token_ids = list(token_ids)  # prompt, then every generated token
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0  # tokens whose K and V are in the cache
+        self.block_table: list[int] = []  # logical block i -> physical block id
+        self.block_hashes: list[bytes] = []  # hash chain of the full, computed blocks
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.text = ""  # detokenized output, stop string excluded
+        self.logprobs: list[dict[int, float]] = []
+        self.detok_prefix_offset = 0  # see detokenizer.py
+        self.detok_read_offset = 0
+        self.metrics: dict[str, float] = {}  # arrival, first_token, finished (perf_counter)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

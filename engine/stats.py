@@ -1,0 +1,22 @@
+"""Counters the engine keeps as it runs; `llm.stats` shows them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefill_tokens: int = 0  # tokens scheduled as (chunks of) prompts, recomputes included
+    decode_tokens: int = 0  # tokens scheduled as one-token decode steps
+    partial_prefills: int = 0  # prompt chunks that stopped short of the prompt's end
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    forward_seconds: float = 0.0  # time in the model's forward pass and logits
+    step_seconds: float = 0.0  # time inside LLMEngine.step, forward included
+
+    def as_dict(self) -> dict[str, int | float]:
+        return asdict(self)

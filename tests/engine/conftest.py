@@ -1,0 +1,136 @@
+"""Tiny random-weight checkpoints built offline with transformers, and the
+transformers outputs the engine must match token for token."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+VOCAB = 320
+EOS = 2  # "<eos>" in the test tokenizer
+
+
+TOKENIZER_CORPUS = [
+    "def schedule(self) -> SchedulerOutput:\n    budget = self.max_num_batched_tokens\n",
+    "for seq in self.running:\n    if not self.block_manager.allocate(seq, n):\n        break\n",
+    "A request waits, runs, is preempted and resumes; its tokens are never lost.\n",
+    "The scheduler admits sequences while the token budget and the free blocks last.\n",
+    "Keys and values live in blocks of the paged cache, shared through reference counts.\n",
+    "naïve café — 東京 😀 done; return tokens, positions, slot_mapping\n",
+] * 20
+
+
+def build_tokenizer(path: Path) -> None:
+    """A byte-level BPE trained offline on a fixed corpus, so tests see the same
+    tokenizer whatever the engine's source looks like today."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+
+
+def hf_config(arch: str):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        initializer_range=0.1,  # peaked logits: greedy choices are far from ties
+        eos_token_id=EOS,
+        pad_token_id=0,
+        bos_token_id=1,
+    )
+    if arch == "llama":  # GQA 2, untied head, llama3 RoPE scaling
+        return transformers.LlamaConfig(
+            **common,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if arch == "qwen2":  # MHA, q/k/v biases, tied embeddings
+        return transformers.Qwen2Config(**common, num_key_value_heads=4, tie_word_embeddings=True)
+    if arch == "qwen3":  # GQA 4, q/k norm, head_dim wider than hidden/heads, untied
+        return transformers.Qwen3Config(
+            **common, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False
+        )
+    raise ValueError(arch)
+
+
+def hf_model_class(arch: str):
+    import transformers
+
+    return {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[arch]
+
+
+def build_checkpoint(arch: str, path: Path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = hf_model_class(arch)(hf_config(arch)).eval()
+    if arch == "qwen2":  # transformers initialises biases to zero; make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.1)
+    model.save_pretrained(path, **save_kwargs)
+    build_tokenizer(path)
+    return model
+
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def checkpoint(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
+    """(arch, folder, transformers model) for each architecture."""
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, build_checkpoint(request.param, path)
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("qwen3-single")
+    return path, build_checkpoint("qwen3", path)
+
+
+def random_prompts(n: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for length in lengths]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate on one unpadded prompt: the oracle."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()

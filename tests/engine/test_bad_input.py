@@ -1,0 +1,81 @@
+"""Bad input gets a ValueError that says what is wrong, and the engine goes on
+serving every other request."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.conftest import random_prompts
+
+
+def test_missing_model_dir(tmp_path) -> None:
+    with pytest.raises(ValueError, match="is not a directory"):
+        LLM(tmp_path / "nope")
+
+
+def test_unsupported_architecture_lists_the_supported_ones(qwen3, tmp_path) -> None:
+    shutil.copytree(qwen3[0], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    ):
+        LLM(tmp_path / "m")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"max_tokens": -3}, "max_tokens must be at least 1"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_fail_alone_and_the_engine_keeps_serving(qwen3) -> None:
+    llm = LLM(qwen3[0], max_model_len=128)
+    engine = llm.llm_engine
+    good = random_prompts(3, seed=31)
+    for i, prompt in enumerate(good[:2]):
+        engine.add_request(f"good-{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
+    engine.step()  # the good requests are running
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request("empty", [])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request("empty-text", "")
+    with pytest.raises(
+        ValueError, match="prompt has 200 tokens, but the maximum model length is 128"
+    ):
+        engine.add_request("long", [5] * 200)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        engine.add_request("oov", [5, 10_000])
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good-0", [5, 6])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert sorted(finished) == ["good-0", "good-1"]
+    assert all(len(o.token_ids) == 8 or o.finish_reason == "stop" for o in finished.values())
+    # generate() checks every prompt before queueing any: a bad one loses nothing.
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([good[2], []], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert len(llm.generate([good[2]], use_tqdm=False)) == 1
+
+
+def test_max_model_len_beyond_the_cache_is_refused(qwen3) -> None:
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        LLM(qwen3[0], num_kv_blocks=4, block_size=16, max_model_len=100)

@@ -1,0 +1,60 @@
+"""Loading checkpoints: sharded safetensors with an index, tied embeddings, and
+clear errors for folders that are incomplete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from tests.engine.conftest import build_checkpoint, hf_greedy, random_prompts
+
+
+def test_sharded_checkpoint_loads_and_matches(tmp_path) -> None:
+    model = build_checkpoint("llama", tmp_path, seed=3, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    prompt = random_prompts(1, seed=61)[0]
+    out = LLM(tmp_path).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    assert out[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+def test_missing_weight_is_named(qwen3, tmp_path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(qwen3[0], folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"lacks weights for: model\.layers\.1\.mlp\.gate_up_proj\.weight"
+    ):
+        LLM(folder)
+
+
+def test_folder_without_weights_or_config(qwen3, tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        LLM(tmp_path / "empty")
+    folder = tmp_path / "noweights"
+    shutil.copytree(qwen3[0], folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights"):
+        LLM(folder)
+
+
+def test_token_ids_work_without_a_tokenizer(qwen3, tmp_path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(qwen3[0], folder)
+    (folder / "tokenizer.json").unlink()
+    llm = LLM(folder)
+    assert (
+        len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids)
+        <= 2
+    )
+    with pytest.raises(ValueError, match="no tokenizer.json; pass token ids"):
+        llm.generate("hello", use_tqdm=False)
