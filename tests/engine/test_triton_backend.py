@@ -1,0 +1,62 @@
+"""The whole engine on the Triton backend, under Triton's interpreter on CPU:
+the same greedy tokens as the torch reference backend, through plain prefill,
+chunked prefill, prefix-cache hits and decode."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.triton
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from engine import LLM, SamplingParams
+    from tests.engine.conftest import random_prompts
+
+    path = sys.argv[1]
+    prefix = random_prompts(1, seed=71, low=40, high=41)[0]
+    prompts = [prefix + p for p in random_prompts(3, seed=72, low=2, high=20)]
+    prompts += random_prompts(3, seed=73)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(path, attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=4)
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.stats
+        assert stats.partial_prefills > 0 and stats.prefix_cache_hit_tokens > 0, stats
+    assert outputs["torch"] == outputs["triton"], outputs
+    print("identical", len(prompts))
+    """
+)
+
+
+def run(script: str, *args: str, interpret: bool) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
+    return subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def test_triton_backend_matches_torch_backend(qwen3) -> None:
+    proc = run(SCRIPT, str(qwen3[0]), interpret=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "identical 6"
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(qwen3) -> None:
+    script = "import sys; from engine import LLM; LLM(sys.argv[1], attention_backend='triton')"
+    proc = run(script, str(qwen3[0]), interpret=False)
+    assert proc.returncode != 0
+    assert "set TRITON_INTERPRET=1" in proc.stderr
+    assert 'attention_backend="torch"' in proc.stderr
