@@ -112,7 +112,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: "triton" on cuda, else "torch"
     seed: int = 0
-    kv_cache_memory_fraction: float = 0.9  # of free GPU memory; of RAM on CPU, see sizing
+    # None: 0.9 of free GPU memory, or 0.2 of available RAM on CPU (see ModelRunner)
+    kv_cache_memory_fraction: float | None = None
     enforce_eager: bool = False  # True: no CUDA graphs
     hf_config: ModelConfig = field(init=False)
 

@@ -137,6 +137,7 @@ class ModelRunner:
         cache slot where its key and value will be written. For every sequence:
         its block table, its context length, and where its queries start.
         """
+        # --8<-- [start:flatten_batch]
         bs = self.block_size
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable
         input_ids: list[int] = []
@@ -156,6 +157,7 @@ class ModelRunner:
                 sampled.append(seq)
         width = max(len(item.seq.block_table) for item in items)
         tables = [it.seq.block_table + [-1] * (width - len(it.seq.block_table)) for it in items]
+        # --8<-- [end:flatten_batch]
         cu_seqlens = [0]
         for n in query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)

@@ -1,9 +1,9 @@
 """The reference attention backend, in plain torch.
 
 It reads each sequence's keys and values out of the paged cache through its
-block table and calls scaled_dot_product_attention. Decodes run as one padded
-batch; prompt chunks run one sequence at a time, with a causal mask offset by
-the tokens already in the cache.
+block table and calls scaled_dot_product_attention. Decodes run as padded
+batches of sequences with similar context lengths; prompt chunks run one
+sequence at a time, with a causal mask offset by the tokens already in the cache.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     Copying whole blocks keeps each copy a contiguous run of memory, which is
     much faster than gathering one slot at a time.
     """
-    return cache[tables].flatten(1, 2)
+    seqs, blocks = tables.shape
+    return cache.index_select(0, tables.flatten()).view(
+        seqs, blocks * cache.shape[1], *cache.shape[2:]
+    )
+
+
+DECODE_GROUP = 16  # decodes per padded attention batch
 
 
 class TorchBackend:
@@ -31,12 +37,21 @@ class TorchBackend:
         and which of the positions read are real (and causal)."""
         d = meta.num_decodes
         tables = meta.block_tables.clamp(min=0).long()  # -1 padding reads block 0, masked
-        if d:
-            width = max(meta.context_lens_cpu[:d])
-            blocks = -(-width // block_size)
+        # --8<-- [start:decode_prepare]
+        # Decodes run as padded batches, and padding is memory read only to be
+        # masked. Sorting by context length and batching neighbours keeps it small.
+        lens = meta.context_lens_cpu[:d]
+        order = sorted(range(d), key=lens.__getitem__)
+        groups = []
+        for first in range(0, d, DECODE_GROUP):
+            rows = order[first : first + DECODE_GROUP]
+            blocks = -(-lens[rows[-1]] // block_size)  # the group's longest context
+            idx = torch.tensor(rows, device=tables.device)
             pos = torch.arange(blocks * block_size, device=tables.device)
-            valid = pos < meta.context_lens[:d, None]
-            meta.prepared["decode"] = (tables[:d, :blocks], valid[:, None, None, :])
+            valid = pos < meta.context_lens[idx, None]
+            groups.append((idx, tables[idx, :blocks], valid[:, None, None, :]))
+        meta.prepared["decode"] = groups
+        # --8<-- [end:decode_prepare]
         chunks = []
         starts = meta.cu_seqlens_q.tolist()
         for i in range(d, len(meta.query_lens_cpu)):
@@ -51,23 +66,24 @@ class TorchBackend:
         meta.prepared["prefill"] = chunks
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        """Write this step's keys and values into their slots."""
+        """Write this step's keys and values into their slots. (Slot -1, the
+        padding of a CUDA graph's batch, never reaches this backend.)"""
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim],
         already stored in the cache. The result has q's shape."""
+        # --8<-- [start:decode_attend]
         out = torch.empty_like(q)
-        d = meta.num_decodes
-        if d:  # one query per sequence: pad the contexts and mask the padding
-            tables, valid = meta.prepared["decode"]
-            ks = gather_blocks(k_cache, tables).transpose(1, 2)  # [d, kv_heads, L, head_dim]
+        for rows, tables, valid in meta.prepared["decode"]:  # one query per sequence
+            ks = gather_blocks(k_cache, tables).transpose(1, 2)  # [seqs, kv_heads, L, head_dim]
             vs = gather_blocks(v_cache, tables).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q[:d, :, None, :], ks, vs, attn_mask=valid, scale=scale, enable_gqa=True
+                q[rows][:, :, None, :], ks, vs, attn_mask=valid, scale=scale, enable_gqa=True
             )
-            out[:d] = o[:, :, 0, :]
+            out[rows] = o[:, :, 0, :]
+            # --8<-- [end:decode_attend]
         for start, n, tables, mask in meta.prepared["prefill"]:
             if tables is None:  # a whole prompt: its keys are the new ones, causal
                 ks, vs = k[start : start + n], v[start : start + n]

@@ -332,6 +332,55 @@ def prefill_table(matmul_flop_per_s: float) -> None:
 # ---------------------------------------------------------------------------- entry point
 
 
+# Qwen3-0.6B's published shape (Hugging Face Qwen/Qwen3-0.6B config.json).
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+
+
+def end_to_end(
+    num_requests: int = 256, input_len: tuple[int, int] = (128, 512), output_len: int = 128
+) -> None:
+    """The whole engine against transformers' padded batched generate, on one
+    random-weight Qwen3-0.6B-shaped model, in the same run."""
+    import tempfile
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from engine.bench import random_prompts, run_engine, run_transformers
+    from engine.llm import LLM
+
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B)).to(torch.bfloat16)
+        model.save_pretrained(folder)
+        del model
+        prompts = random_prompts(num_requests, *input_len, QWEN3_0_6B["vocab_size"], seed=0)
+        llm = LLM(folder, max_num_seqs=num_requests, max_model_len=input_len[1] + output_len + 16)
+        ours = run_engine(llm, prompts, output_len)
+        del llm
+        torch.cuda.empty_cache()
+        theirs = run_transformers(folder, prompts, output_len, "cuda", torch.bfloat16)
+    print(
+        f"\nEnd to end, Qwen3-0.6B shape, random bf16 weights: {num_requests} requests, "
+        f"input {input_len[0]}-{input_len[1]} tokens, {output_len} output tokens"
+    )
+    print(f"{'':28}{'engine':>10}{'transformers':>14}")
+    print(f"{'output tokens/s':28}{ours.tokens_per_s:10.0f}{theirs.tokens_per_s:14.0f}")
+    print(f"{'total seconds':28}{ours.seconds:10.2f}{theirs.seconds:14.2f}")
+    print(f"engine / transformers: {ours.tokens_per_s / theirs.tokens_per_s:.2f}x")
+
+
 def selftest_cpu() -> int:
     if not interpreter_active() or compiled_kernel_modules():
         # Triton decides between interpreter and compiler when it is imported,
@@ -355,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         "--selftest-cpu",
         action="store_true",
         help="run only the correctness checks, at tiny sizes, on the CPU under TRITON_INTERPRET=1",
+    )
+    parser.add_argument(
+        "--kernels-only", action="store_true", help="skip the end-to-end engine comparison"
     )
     args = parser.parse_args(argv)
     if args.selftest_cpu:
@@ -388,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bf16 matmul 8192^3: {matmul_flop_per_s / 1e12:.0f} TFLOP/s")
     decode_table(copy_bytes_per_s)
     prefill_table(matmul_flop_per_s)
+    if not args.kernels_only:
+        end_to_end()
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     return 0
 

@@ -3,9 +3,9 @@
 One program per token copies that token's [num_kv_heads, head_dim] tile of K
 and of V to the cache slot `slot_mapping` gives it. The cache is addressed as a
 flat [num_blocks * block_size, num_kv_heads, head_dim] array, so the block
-table never enters here: the scheduler already turned (block, offset) into a
-slot. A program whose slot is -1 (a padded token, or one whose K/V is already
-cached) returns before loading anything. The copy is exact: values are moved, not
+table never enters here: the model runner's batch preparation already turned
+(block, offset) into a slot. A program whose slot is -1 (a padding row of a
+CUDA graph's batch) returns before loading anything. The copy is exact: values are moved, not
 converted, when the cache has the activations' dtype.
 """
 
