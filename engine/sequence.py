@@ -43,6 +43,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # tokens found in the prefix cache at the last admission
         self.text = ""  # detokenized output, stop string excluded
         self.logprobs: list[dict[int, float]] = []
         self.detok_prefix_offset = 0  # see detokenizer.py

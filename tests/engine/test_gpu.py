@@ -1,0 +1,48 @@
+"""The GPU path: the Triton backend chosen by default on CUDA, and CUDA graphs
+for decode steps. The graph tests need a CUDA GPU (gpu.yml runs them); the
+bucket arithmetic is checked everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cuda_graph import batch_buckets, bucket_for
+from tests.engine.conftest import hf_greedy, random_prompts
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_buckets_cover_every_batch_size() -> None:
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    buckets = batch_buckets(100)
+    for batch in range(1, 101):
+        bucket = bucket_for(batch, buckets)
+        assert bucket >= batch and bucket - batch < 16
+    assert bucket_for(101, buckets) is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_defaults_to_triton_and_graphs(qwen3) -> None:
+    llm = LLM(qwen3[0], dtype="float32")
+    runner = llm.llm_engine.model_runner
+    assert runner.backend.name == "triton"
+    assert runner.graphs is not None and runner.graphs.buckets[-1] == 256
+    assert LLM(qwen3[0], dtype="float32", enforce_eager=True).llm_engine.model_runner.graphs is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_replay_matches_eager_and_transformers(qwen3) -> None:
+    path, model = qwen3
+    prompts = random_prompts(11, seed=81)  # 11 decodes pad up to the bucket of 16
+    params = SamplingParams(temperature=0, max_tokens=16)
+    graphs = LLM(path, dtype="float32").generate(prompts, params, use_tqdm=False)
+    eager = LLM(path, dtype="float32", enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
+    reference = [hf_greedy(model, p, 16) for p in prompts]
+    assert [o.token_ids for o in graphs] == reference
