@@ -1,8 +1,10 @@
-"""What the attention kernels share: the dtype their matrix products run in."""
+"""What the attention kernels share: the dtype their matrix products run in,
+and the inner loop over key tiles that decode and prefill both run."""
 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from engine.kernels.availability import interpreter_active
@@ -24,3 +26,60 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     if dtype == torch.bfloat16 and interpreter_active():
         return tl.float32
     return _TL_DTYPES[dtype]
+
+
+@triton.jit
+def load_k_tile(
+    k_cache_ptr,
+    block_tables_ptr,
+    seq,
+    max_blocks_per_seq,
+    start,
+    end,
+    kv_head,
+    offs_d,
+    mask_d,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """K for BLOCK_N consecutive tokens from `start`, transposed to [BLOCK_D, BLOCK_N]
+    for q @ k, gathered slot by slot through the block table. Also returns the
+    tokens' positions, which of them are before `end`, and their cache offsets."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    block = tl.load(
+        block_tables_ptr + seq * max_blocks_per_seq + offs_n // BLOCK_SIZE,
+        mask=mask_n,
+        other=0,
+    )
+    block = tl.where(mask_n, block, 0)  # never form a pointer from a -1 entry
+    slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    kv_offset = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+    k = tl.load(
+        k_cache_ptr + kv_offset[None, :] + offs_d[:, None],
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    return offs_n, mask_n, kv_offset, k
+
+
+@triton.jit
+def online_softmax_step(
+    scores, m_i, l_i, acc, v_cache_ptr, kv_offset, offs_d, mask_n, mask_d, DOT_DTYPE: tl.constexpr
+):
+    """Fold one tile of (masked, base-2) scores and its values into the running max
+    m_i, the running denominator l_i and the running weighted sum acc."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)  # rescale what was summed so far to the new max
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(
+        v_cache_ptr + kv_offset[:, None] + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+    return m_new, l_i, acc

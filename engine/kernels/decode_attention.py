@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dot_dtype
+from engine.kernels.common import dot_dtype, load_k_tile, online_softmax_step
 
 KV_SPLIT_SIZE = 256  # tokens per split; a multiple of BLOCK_N
 BLOCK_N = 64  # keys per tile within a split
@@ -85,39 +85,27 @@ def decode_attention_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)  # running sum of exp2(...) * v
     for start in range(split_start, split_end, BLOCK_N):
-        # Gather the slots of BLOCK_N consecutive tokens through the block table.
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < split_end
-        block = tl.load(
-            block_tables_ptr + seq * max_blocks_per_seq + offs_n // BLOCK_SIZE,
-            mask=mask_n,
-            other=0,
+        offs_n, mask_n, kv_offset, k = load_k_tile(
+            k_cache_ptr,
+            block_tables_ptr,
+            seq,
+            max_blocks_per_seq,
+            start,
+            split_end,
+            kv_head,
+            offs_d,
+            mask_d,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            DOT_DTYPE,
         )
-        block = tl.where(mask_n, block, 0)  # never form a pointer from a -1 entry
-        slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        kv_offset = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-
-        k = tl.load(  # [BLOCK_D, BLOCK_N]: K transposed, ready for q @ k
-            k_cache_ptr + kv_offset[None, :] + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        ).to(DOT_DTYPE)
         scores = tl.dot(q, k, input_precision="ieee") * qk_scale
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
-
-        # Online softmax: rescale what was summed so far to the new running max.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = tl.load(
-            v_cache_ptr + kv_offset[:, None] + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(
+            scores, m_i, l_i, acc, v_cache_ptr, kv_offset, offs_d, mask_n, mask_d, DOT_DTYPE
+        )
 
     # The split's own attention output, and the log2 of its softmax denominator.
     mid = seq * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
