@@ -89,7 +89,8 @@ def regen_hint(path: str) -> str:
 
 
 def plot_scripts() -> list[Path]:
-    return sorted(PLOTS.glob("*.py")) if PLOTS.is_dir() else []
+    scripts = PLOTS.glob("*.py") if PLOTS.is_dir() else []
+    return sorted(p for p in scripts if not p.name.startswith("_"))  # _plotting.py is shared
 
 
 def render_plot(script: Path, out: Path) -> None:

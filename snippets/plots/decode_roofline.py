@@ -4,29 +4,14 @@ Usage: python snippets/plots/decode_roofline.py OUT.svg
 The curves come from the experiment's own functions, imported by path.
 """
 
-import importlib.util
 import sys
-from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENT = ROOT / "snippets" / "ch01" / "e02_decode_roofline.py"
-
-
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _plotting import load_experiment, reproducible_pyplot, save_svg
 
 
 def main(out: str) -> None:
-    e02 = load(EXPERIMENT)
-    plt.rcParams.update({"svg.hashsalt": "inside-deepinfer", "svg.fonttype": "none"})
+    e02 = load_experiment("ch01/e02_decode_roofline.py")
+    plt = reproducible_pyplot()
     batches = list(range(1, 1025))
     memory_roof = [b / e02.step_times(b)[0] for b in batches]
     compute_roof = e02.PEAK_FLOP_PER_S / (2 * e02.PARAMS)
@@ -55,7 +40,7 @@ def main(out: str) -> None:
     ax.grid(True, which="major", lw=0.4, alpha=0.5)
     ax.legend(loc="upper left", frameon=False)
     fig.tight_layout()
-    fig.savefig(out, format="svg", metadata={"Date": None, "Creator": None})
+    save_svg(fig, out)
 
 
 if __name__ == "__main__":

@@ -5,29 +5,14 @@ Each line passes through the 1,000 simulated requests, sorted by length; the dat
 come from the experiment's own functions, imported by path.
 """
 
-import importlib.util
 import sys
-from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENT = ROOT / "snippets" / "ch02" / "e05_fragmentation.py"
-
-
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _plotting import load_experiment, reproducible_pyplot, save_svg
 
 
 def main(out: str) -> None:
-    e05 = load(EXPERIMENT)
-    plt.rcParams.update({"svg.hashsalt": "inside-deepinfer", "svg.fonttype": "none"})
+    e05 = load_experiment("ch02/e05_fragmentation.py")
+    plt = reproducible_pyplot()
     lengths = sorted(e05.request_lengths())
     shown = {
         f"contiguous, {e05.MAX_LEN} reserved": (None, "tab:red"),
@@ -47,7 +32,7 @@ def main(out: str) -> None:
     ax.grid(True, lw=0.4, alpha=0.5)
     ax.legend(loc="upper right", frameon=False)
     fig.tight_layout()
-    fig.savefig(out, format="svg", metadata={"Date": None, "Creator": None})
+    save_svg(fig, out)
 
 
 if __name__ == "__main__":
