@@ -14,16 +14,18 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata
 
 
-def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+def gather_blocks(
+    cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """[seqs, blocks] block ids -> [seqs, blocks * block_size, kv_heads, head_dim].
 
     Copying whole blocks keeps each copy a contiguous run of memory, which is
-    much faster than gathering one slot at a time.
+    much faster than gathering one slot at a time. ``out``, a reused buffer of
+    seqs * blocks blocks, saves asking the allocator for fresh pages each time.
     """
     seqs, blocks = tables.shape
-    return cache.index_select(0, tables.flatten()).view(
-        seqs, blocks * cache.shape[1], *cache.shape[2:]
-    )
+    gathered = torch.index_select(cache, 0, tables.flatten(), out=out)
+    return gathered.view(seqs, blocks * cache.shape[1], *cache.shape[2:])
 
 
 DECODE_GROUP = 16  # decodes per padded attention batch
@@ -31,6 +33,17 @@ DECODE_GROUP = 16  # decodes per padded attention batch
 
 class TorchBackend:
     name = "torch"
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}  # gather space, reused across layers
+
+    def _buffer(self, name: str, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        rows = tables.numel()
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((rows, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            self._buffers[name] = buf
+        return buf[:rows]
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Work shared by every layer, done once per step: which blocks to read,
@@ -77,8 +90,9 @@ class TorchBackend:
         # --8<-- [start:decode_attend]
         out = torch.empty_like(q)
         for rows, tables, valid in meta.prepared["decode"]:  # one query per sequence
-            ks = gather_blocks(k_cache, tables).transpose(1, 2)  # [seqs, kv_heads, L, head_dim]
-            vs = gather_blocks(v_cache, tables).transpose(1, 2)
+            ks = gather_blocks(k_cache, tables, self._buffer("k", k_cache, tables))
+            vs = gather_blocks(v_cache, tables, self._buffer("v", v_cache, tables))
+            ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [seqs, kv_heads, L, head_dim]
             o = F.scaled_dot_product_attention(
                 q[rows][:, :, None, :], ks, vs, attn_mask=valid, scale=scale, enable_gqa=True
             )
