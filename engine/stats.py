@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -17,6 +17,3 @@ class EngineStats:
     finished_requests: int = 0
     forward_seconds: float = 0.0  # time in the model's forward pass and logits
     step_seconds: float = 0.0  # time inside LLMEngine.step, forward included
-
-    def as_dict(self) -> dict[str, int | float]:
-        return asdict(self)

@@ -51,14 +51,10 @@ def fixed_env() -> dict[str, str]:
     return env
 
 
-def command(path: str) -> list[str]:
-    return [sys.executable, path]
-
-
 def run(path: str) -> str:
     """A snippet's stdout; a failing snippet raises with its stderr."""
     proc = subprocess.run(
-        command(path),
+        [sys.executable, path],
         cwd=ROOT,
         env=fixed_env(),
         capture_output=True,
