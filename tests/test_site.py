@@ -123,7 +123,9 @@ def test_reader_session(page, site_url) -> None:
     # Search for a word from Chapter 1 finds Chapter 1.
     page.keyboard.press("/")
     page.keyboard.type("multiply")
-    result = page.locator(".md-search-result__item a").first
+    # Results arrive while the query is still being typed ("m" first), so wait
+    # for the result list of the whole word: its links carry the query as ?h=.
+    result = page.locator('.md-search-result__item a[href*="h=multiply"]').first
     result.wait_for(timeout=10_000)
     assert "ch01-batching-and-the-kv-cache" in result.get_attribute("href")
     page.screenshot(path=str(ARTIFACTS / "site-search.png"))
