@@ -138,7 +138,11 @@ def test_dark_mode_toggle_and_preface_edition(page, site_url) -> None:
     page.goto(site_url)
     scheme = page.evaluate("document.body.getAttribute('data-md-color-scheme')")
     page.locator("label.md-header__button[for^='__palette']:visible").first.click()
-    assert page.evaluate("document.body.getAttribute('data-md-color-scheme')") != scheme
+    # The theme applies the new scheme from an event handler: wait for it, and
+    # fail if it never comes.
+    page.wait_for_function(
+        "s => document.body.getAttribute('data-md-color-scheme') !== s", arg=scheme, timeout=5_000
+    )
     assert "Edition" in page.locator(".md-copyright .edition").inner_text()
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "site-preface-toggled.png"))
