@@ -89,14 +89,16 @@ class TorchBackend:
         already stored in the cache. The result has q's shape."""
         # --8<-- [start:decode_attend]
         out = torch.empty_like(q)
+        kv_heads = k_cache.shape[2]
         for rows, tables, valid in meta.prepared["decode"]:  # one query per sequence
             ks = gather_blocks(k_cache, tables, self._buffer("k", k_cache, tables))
             vs = gather_blocks(v_cache, tables, self._buffer("v", v_cache, tables))
             ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [seqs, kv_heads, L, head_dim]
-            o = F.scaled_dot_product_attention(
-                q[rows][:, :, None, :], ks, vs, attn_mask=valid, scale=scale, enable_gqa=True
-            )
-            out[rows] = o[:, :, 0, :]
+            # GQA: the query heads that share a KV head become that head's query
+            # rows, so each key is scored against all of them in one matmul.
+            qs = q[rows].view(len(rows), kv_heads, -1, q.shape[-1])
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=valid, scale=scale)
+            out[rows] = o.flatten(1, 2)
             # --8<-- [end:decode_attend]
         for start, n, tables, mask in meta.prepared["prefill"]:
             if tables is None:  # a whole prompt: its keys are the new ones, causal
