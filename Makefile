@@ -14,6 +14,9 @@ BIN    := $(VENV)/bin
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# The browser the site test drives. Point it at another Chromium (GitHub's runners
+# ship /usr/bin/google-chrome) and nothing is installed.
+export CHROMIUM ?= /usr/bin/chromium
 # Material prints a notice about MkDocs 2 on every build; the book pins MkDocs 1.
 export NO_MKDOCS_2_WARNING := 1
 
@@ -40,15 +43,15 @@ serve: $(VENV)/.docs
 build: $(VENV)/.docs
 	$(BIN)/mkdocs build --strict
 
-# The browser test drives the system chromium; install it when it is missing
-# and we may (root), as on a fresh CI machine.
+# The browser test drives a system Chromium; install it when it is missing and
+# we may (root), as on a fresh CI machine.
 chromium:
-	@if [ ! -x /usr/bin/chromium ]; then \
-	  if [ "$$(id -u)" = 0 ]; then \
+	@if [ ! -x "$(CHROMIUM)" ]; then \
+	  if [ "$(CHROMIUM)" = /usr/bin/chromium ] && [ "$$(id -u)" = 0 ]; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	      || { echo "error: could not install chromium with apt-get"; exit 1; }; \
 	  else \
-	    echo "note: /usr/bin/chromium is missing and we are not root; the browser test will fail"; \
+	    echo "note: $(CHROMIUM) is missing and cannot be installed here; the browser test will fail"; \
 	  fi; \
 	fi
 

@@ -1,8 +1,8 @@
 """The built book, opened in headless Chromium as a reader would open it.
 
 The site is built with `mkdocs build --strict`, served on 127.0.0.1 on a free
-port, and driven through Playwright with the system /usr/bin/chromium (no
-browser download). Every request that leaves 127.0.0.1 is blocked and counted:
+port, and driven through Playwright with a system Chromium, /usr/bin/chromium
+unless $CHROMIUM names another (no browser download). Every request that leaves 127.0.0.1 is blocked and counted:
 the book must work with no network.
 """
 
@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import ARTIFACTS, ROOT
 
 pytestmark = pytest.mark.browser
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
 # Flags for a root, headless, offline machine: no sandbox, and no background
 # traffic to Google's services that a closed network would refuse.
 CHROMIUM_ARGS = [
@@ -64,7 +64,7 @@ def site_url(tmp_path_factory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def browser():
     if not CHROMIUM.exists():
-        pytest.fail("/usr/bin/chromium is missing: `make test` installs it with apt-get as root")
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs /usr/bin/chromium as root")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
