@@ -12,4 +12,6 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        # Multiplying in place into silu's fresh output saves allocating (and,
+        # on CPU, page-faulting in) a third tensor of the MLP's width.
+        return F.silu(gate).mul_(up)
