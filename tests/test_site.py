@@ -2,8 +2,8 @@
 
 The site is built with `mkdocs build --strict`, served on 127.0.0.1 on a free
 port, and driven through Playwright with a system Chromium, /usr/bin/chromium
-unless $CHROMIUM names another (no browser download). Every request that leaves 127.0.0.1 is blocked and counted:
-the book must work with no network.
+unless $CHROMIUM names another (no browser download). Every request that
+leaves 127.0.0.1 is blocked and counted: the book must work with no network.
 """
 
 from __future__ import annotations
