@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
             render_plot(script, plot_target(script))
             print(f"plotted {plot_target(script).relative_to(ROOT)}")
         sys.path.insert(0, str(ROOT))
-        from engine.edition import write_manifest
+        from engine.tools.edition import write_manifest
 
         print(f"wrote {write_manifest(ROOT).relative_to(ROOT)}")
     return 1 if failed else 0

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import edition
-from engine.cli import main as cli_main
+from engine.tools import edition
+from engine.tools.cli import main as cli_main
 from tests.conftest import ROOT
 
 
@@ -125,7 +125,7 @@ def test_vanished_excerpt_is_reported(checkout: Path) -> None:
 def test_cli_exit_status_and_bad_path(checkout: Path, tmp_path_factory) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ok = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "edition", "check", str(checkout)],
+        [sys.executable, "-m", "engine.tools.cli", "edition", "check", str(checkout)],
         capture_output=True,
         text=True,
         env=env,
@@ -133,7 +133,7 @@ def test_cli_exit_status_and_bad_path(checkout: Path, tmp_path_factory) -> None:
     assert ok.returncode == 0, ok.stdout + ok.stderr
     empty = tmp_path_factory.mktemp("empty")
     bad = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "edition", "check", str(empty)],
+        [sys.executable, "-m", "engine.tools.cli", "edition", "check", str(empty)],
         capture_output=True,
         text=True,
         env=env,
@@ -166,7 +166,7 @@ def test_missing_excerpt_fails_strict_build(tmp_path: Path) -> None:
     shutil.copy(ROOT / "mkdocs.yml", site / "mkdocs.yml")
     (site / "docs" / "assets").mkdir()
     page = site / "docs" / "index.md"
-    page.write_text(page.read_text() + '\n--8<-- "engine/edition.py::no_such_function"\n')
+    page.write_text(page.read_text() + '\n--8<-- "engine/tools/edition.py::no_such_function"\n')
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "out")],
         cwd=site,

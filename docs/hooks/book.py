@@ -1,6 +1,6 @@
 """MkDocs hooks for the book: engine excerpts by name, and the edition footer.
 
-Pages quote the engine with a directive line (see engine/edition.py). This hook
+Pages quote the engine with a directive line (see engine/tools/edition.py). This hook
 swaps each one for a titled code block whose line numbers are the source's own.
 A name the engine does not define is a warning while serving, and fails
 `mkdocs build --strict` at the end of the build, listing every missing one.
@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:
 
 from mkdocs.exceptions import PluginError  # noqa: E402
 
-from engine.edition import MANIFEST, ExcerptError, extract, parse_directive  # noqa: E402
+from engine.tools.edition import MANIFEST, ExcerptError, extract, parse_directive  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.book")
 _missing: list[str] = []

@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 def deepinfer(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args],
+        [sys.executable, "-m", "engine.tools.cli", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def _edition_check(args: argparse.Namespace) -> int:
-    from engine.edition import check
+    from engine.tools.edition import check
 
     status, text = check(Path(args.path), Path(args.manifest) if args.manifest else None)
     print(text, file=sys.stderr if status == 2 else sys.stdout)
@@ -44,7 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from engine.bench import run
+    from engine.tools.bench import run
 
     low, _, high = args.input_len.partition(":")
     print(

@@ -407,7 +407,7 @@ def test_interpreter_set_after_import_is_repaired() -> None:
             assert "were imported before TRITON_INTERPRET=1 was set" in str(exc), exc
         else:
             raise AssertionError("check_available missed kernels built for the compiler")
-        import tests.test_kernels  # sets the variable, and re-imports triton and the kernels
+        import tests.kernels.test_kernels  # sets the variable, and re-imports triton and the kernels
         from engine.kernels import check_available, rms_norm, reference
         check_available("cpu")
         x, w = torch.randn(3, 256), torch.randn(256)
@@ -490,7 +490,7 @@ def test_kernels_compile_for_sm90(tmp_path) -> None:
 
 def test_bench_checks_pass_in_the_interpreter(seed: int) -> None:
     """The bench's correctness checks (what it runs before timing) at their tiny CPU sizes."""
-    from engine.kernels import bench
+    from engine.tools import kernel_bench as bench
 
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     assert bench.run_checks("cpu", dtypes, tiny=True), f"seed={seed}"
@@ -501,7 +501,7 @@ def test_bench_without_cuda_says_so() -> None:
         pytest.skip("this machine has a GPU; the bench would run")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.kernels.bench"],
+        [sys.executable, "-m", "engine.tools.kernel_bench"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -515,7 +515,7 @@ def test_bench_without_cuda_says_so() -> None:
 ON_CUDA = """
 import torch
 from engine.kernels import paged_decode_attention
-from engine.kernels.bench import random_paged_cache, run_checks
+from engine.tools.kernel_bench import random_paged_cache, run_checks
 
 assert run_checks("cuda", (torch.bfloat16, torch.float16, torch.float32), tiny=False)
 lens = [int(n) for n in torch.randint(1, 5000, (16,))]

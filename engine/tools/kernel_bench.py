@@ -1,7 +1,7 @@
 """How fast are the kernels, against what this GPU can do at best?
 
-    python -m engine.kernels.bench                  a CUDA GPU; under 8 minutes on an H200
-    python -m engine.kernels.bench --selftest-cpu   the correctness checks alone, tiny, on the
+    python -m engine.tools.kernel_bench                  a CUDA GPU; under 8 minutes on an H200
+    python -m engine.tools.kernel_bench --selftest-cpu   the correctness checks alone, tiny, on the
                                                     CPU in Triton's interpreter
 
 First every kernel is checked against the float64 references on random inputs
@@ -357,8 +357,8 @@ def end_to_end(
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engine.bench import random_prompts, run_engine, run_transformers
     from engine.llm import LLM
+    from engine.tools.bench import random_prompts, run_engine, run_transformers
 
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
@@ -384,9 +384,9 @@ def end_to_end(
 def selftest_cpu() -> int:
     if not interpreter_active() or compiled_kernel_modules():
         # Triton decides between interpreter and compiler when it is imported,
-        # which `python -m engine.kernels.bench` already did: start afresh.
+        # which `python -m engine.tools.kernel_bench` already did: start afresh.
         env = dict(os.environ, TRITON_INTERPRET="1")
-        argv = [sys.executable, "-m", "engine.kernels.bench", "--selftest-cpu"]
+        argv = [sys.executable, "-m", "engine.tools.kernel_bench", "--selftest-cpu"]
         os.execve(sys.executable, argv, env)
     seed = time.time_ns() % 2**31
     torch.manual_seed(seed)
@@ -398,7 +398,9 @@ def selftest_cpu() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.kernels.bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.tools.kernel_bench", description=__doc__
+    )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "--selftest-cpu",
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return selftest_cpu()
     if not torch.cuda.is_available():
         print(
-            "engine.kernels.bench times the kernels on a CUDA GPU and found none; "
+            "engine.tools.kernel_bench times the kernels on a CUDA GPU and found none; "
             "`--selftest-cpu` runs its correctness checks on the CPU.",
             file=sys.stderr,
         )
