@@ -1,20 +1,25 @@
 """Run the book's snippets in one fixed environment, to check or rewrite their records.
 
-    python snippets/_runner.py check [PATH ...]   diff each snippet's stdout with its .out
-    python snippets/_runner.py regen [PATH ...]   rewrite .out files, plots and the edition manifest
+    python snippets/_runner.py check [PATH ...]   diff each snippet's stdout and results with its records
+    python snippets/_runner.py regen [PATH ...]   rewrite the records, plots and the edition manifest
 
 Experiments are snippets/chNN/eNN_slug.py and engine demos snippets/chNN/demo_slug.py.
-Each one's recorded stdout sits beside it as .out. `make regen` is the only target
-that calls `regen`; the tests call `run` and compare.
+Each defines main(), which prints what the book shows and returns the named
+values the prose quotes (a dict, or None). Its recorded stdout sits beside it
+as .out, and its results as .json. `make regen` is the only target that calls
+`regen`; the tests call `run` and compare.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+import math
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,23 +56,106 @@ def fixed_env() -> dict[str, str]:
     return env
 
 
-def run(path: str) -> str:
-    """A snippet's stdout; a failing snippet raises with its stderr."""
-    proc = subprocess.run(
-        [sys.executable, path],
-        cwd=ROOT,
-        env=fixed_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{path} exited with {proc.returncode}:\n{proc.stderr}")
-    return proc.stdout
+# Runs a snippet's main() as `python snippet.py` would, and keeps what it returns.
+BOOTSTRAP = """
+import json, runpy, sys
+path, sink = sys.argv[1], sys.argv[2]
+sys.argv = [path]
+main = runpy.run_path(path, run_name="__snippet__").get("main")
+results = main() if main else None
+sys.stdout.flush()
+with open(sink, "w") as f:
+    json.dump(results, f)
+"""
+NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def check_results(path: str, results: object) -> dict:
+    """Results are a dict of lowercase names to numbers, strings, booleans, or
+    lists of those; anything else could not be written into prose faithfully."""
+    if results is None:
+        return {}
+    if not isinstance(results, dict):
+        raise TypeError(f"{path}: main() must return a dict of named results or None")
+    for name, value in results.items():
+        items = value if isinstance(value, list) else [value]
+        if not NAME.match(name):
+            raise ValueError(f"{path}: result name {name!r} is not lowercase_with_underscores")
+        if not all(isinstance(v, bool | int | float | str) for v in items):
+            raise TypeError(f"{path}: result {name!r} = {value!r} is not a number or string")
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise ValueError(f"{path}: result {name!r} = {value!r} is not finite")
+    return results
+
+
+def run(path: str, python: str = sys.executable) -> tuple[str, dict]:
+    """A snippet's stdout and its results; a failing snippet raises with its stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sink = Path(tmp) / "results.json"
+        proc = subprocess.run(
+            [python, "-c", BOOTSTRAP, path, str(sink)],
+            cwd=ROOT,
+            env=fixed_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{path} exited with {proc.returncode}:\n{proc.stderr}")
+        return proc.stdout, check_results(path, json.loads(sink.read_text()))
 
 
 def record_path(path: str) -> Path:
     return ROOT / Path(path).with_suffix(".out")
+
+
+def results_path(path: str) -> Path:
+    return ROOT / Path(path).with_suffix(".json")
+
+
+def results_text(results: dict) -> str:
+    """The sidecar's exact text: one value a line, sorted, so its diffs read well."""
+    return json.dumps(results, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def recorded_results(path: str) -> dict:
+    target = results_path(path)
+    return json.loads(target.read_text()) if target.exists() else {}
+
+
+def snippet_key(path: str) -> str:
+    """snippets/ch02/demo_x.py -> ch02/demo_x, the name pages use."""
+    return Path(path).relative_to("snippets").with_suffix("").as_posix()
+
+
+def results_diff(path: str, recorded: dict, actual: dict) -> str:
+    """Each value that changed, with every place in the book that shows it."""
+    sys.path.insert(0, str(ROOT))
+    from engine.tools.results import all_bindings
+
+    shown: dict[str, list[str]] = {}
+    for b in all_bindings(ROOT):
+        if b.kind == "result" and b.source == snippet_key(path):
+            shown.setdefault(b.name, []).append(b.where)
+    lines = []
+    for name in sorted(set(recorded) | set(actual)):
+        was, now = recorded.get(name, "(absent)"), actual.get(name, "(absent)")
+        if was != now or type(was) is not type(now):
+            where = ", ".join(shown.get(name, [])) or "no page"
+            lines.append(
+                f"  {snippet_key(path)}.{name}: recorded {was!r}, now {now!r}; shown on {where}"
+            )
+    if not lines:
+        return ""
+    return f"{results_path(path).relative_to(ROOT)}: results changed\n" + "\n".join(lines) + "\n"
+
+
+def write_results(path: str, results: dict) -> None:
+    target = results_path(path)
+    if results:
+        target.write_text(results_text(results))
+    elif target.exists():
+        target.unlink()
 
 
 def diff(path: str, recorded: str, actual: str) -> str:
@@ -105,16 +193,20 @@ def main(argv: list[str]) -> int:
     verb, paths = argv[0], argv[1:] or discover()
     failed = 0
     for path in paths:
-        actual = run(path)
+        actual, results = run(path)
         target = record_path(path)
+        changed = results_diff(path, recorded_results(path), results)
         if verb == "regen":
             target.write_text(actual)
+            write_results(path, results)
             print(f"recorded {target.relative_to(ROOT)}")
+            if changed:  # the prose around these values was written for the old ones
+                print(changed + "  reread the prose at each place shown")
             continue
         recorded = target.read_text() if target.exists() else ""
-        if recorded != actual:
+        if recorded != actual or changed:
             failed += 1
-            print(diff(path, recorded, actual) + regen_hint(path))
+            print(diff(path, recorded, actual) + changed + regen_hint(path))
     if verb == "regen" and not argv[1:]:
         PLOT_DIR.mkdir(parents=True, exist_ok=True)
         for script in plot_scripts():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.tools.edition import strip_html_comments
 from tests.conftest import ROOT, load_runner
 
 runner = load_runner()
@@ -51,14 +52,18 @@ def experiments() -> list[tuple[str, int, int]]:
 def test_output_matches_record(path: str) -> None:
     record = runner.record_path(path)
     assert record.exists(), f"{path} has no recorded output.\n{runner.regen_hint(path)}"
-    actual = runner.run(path)
+    actual, results = runner.run(path)
     recorded = record.read_text()
-    if actual != recorded:
+    changed = runner.results_diff(path, runner.recorded_results(path), results)
+    if actual != recorded or changed:
         pytest.fail(
-            f"{path} no longer prints what the book recorded:\n\n"
-            f"{runner.diff(path, recorded, actual)}\n{runner.regen_hint(path)}",
+            f"{path} no longer prints or returns what the book recorded:\n\n"
+            f"{runner.diff(path, recorded, actual)}{changed}\n{runner.regen_hint(path)}",
             pytrace=False,
         )
+    sidecar = runner.results_path(path)
+    if sidecar.exists():  # byte for byte, as make regen writes it
+        assert sidecar.read_text() == runner.results_text(results), runner.regen_hint(path)
 
 
 def imported_modules(path: str) -> set[str]:
@@ -94,10 +99,12 @@ def test_experiments_are_numbered_into_their_chapters() -> None:
 
 
 def page_includes() -> dict[str, list[str]]:
-    """Every snippet include of every page (engine excerpts are checked elsewhere)."""
+    """Every snippet include of every page (engine excerpts are checked elsewhere).
+    HTML comments are blanked first: what a comment holds is not shown."""
     includes = {}
     for page in sorted((ROOT / "docs").rglob("*.md")):
-        paths = [p for p in INCLUDE.findall(page.read_text()) if not p.startswith("engine/")]
+        text = strip_html_comments(page.read_text())
+        paths = [p for p in INCLUDE.findall(text) if not p.startswith("engine/")]
         includes[page.relative_to(ROOT).as_posix()] = paths
     return includes
 
@@ -110,6 +117,50 @@ def test_every_include_resolves() -> None:
         if not (ROOT / path).is_file()
     ]
     assert not missing, "includes that point at no file:\n" + "\n".join(missing)
+
+
+OUTPUT_BLOCK = re.compile(r"^\s*(\?\?\?\+?|!!!) output\b")
+FENCE_OPEN = re.compile(r"^\s*(`{3,}|~{3,})")
+
+
+def misplaced_outputs(markdown: str) -> list[str]:
+    """Each X.out must follow its own X.py on the same page, before the next
+    snippet's source, inside that experiment's output block: so two outputs
+    cannot trade places, and an output cannot stand outside its box."""
+    lines = strip_html_comments(markdown).splitlines()
+    problems, current = [], None
+    for i, line in enumerate(lines):
+        m = INCLUDE.match(line)
+        if not m or m["path"].startswith("engine/"):
+            continue
+        path = m["path"]
+        if path.endswith(".py"):
+            current = path
+            continue
+        if not path.endswith(".out"):
+            continue
+        source = path[: -len(".out")] + ".py"
+        if source != current:
+            problems.append(f"line {i + 1}: {path} does not follow {source} (it follows {current})")
+            continue
+        indent = len(line) - len(line.lstrip())
+        j = i - 1
+        while j >= 0 and (not lines[j].strip() or FENCE_OPEN.match(lines[j])):
+            j -= 1
+        while j >= 0 and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) >= indent):
+            j -= 1
+        if j < 0 or not OUTPUT_BLOCK.match(lines[j]):
+            problems.append(f"line {i + 1}: {path} is not inside an '??? output' block")
+    return problems
+
+
+def test_every_output_sits_in_its_experiments_output_block() -> None:
+    problems = [
+        f"{page.relative_to(ROOT)}: {p}"
+        for page in sorted((ROOT / "docs").rglob("*.md"))
+        for p in misplaced_outputs(page.read_text())
+    ]
+    assert not problems, "\n".join(problems)
 
 
 def test_every_snippet_and_output_is_shown_by_a_page() -> None:
@@ -126,7 +177,7 @@ def test_every_chapter_file_is_a_known_kind() -> None:
         rel = path.relative_to(ROOT).as_posix()
         if path.name == "__pycache__":
             continue
-        source = rel[:-4] + ".py" if rel.endswith(".out") else rel
+        source = str(Path(rel).with_suffix(".py")) if path.suffix in (".out", ".json") else rel
         if source not in SNIPPETS:
             strays.append(rel)
     assert not strays, (

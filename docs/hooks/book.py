@@ -1,15 +1,24 @@
-"""MkDocs hooks for the book: engine excerpts by name, and the edition footer.
+"""MkDocs hooks for the book: engine excerpts by name, results by name, and
+the checks that keep a page from showing anything it did not get from a source.
 
-Pages quote the engine with a directive line (see engine/tools/edition.py). This hook
-swaps each one for a titled code block whose line numbers are the source's own.
-A name the engine does not define is a warning while serving, and fails
-`mkdocs build --strict` at the end of the build, listing every missing one.
+- An excerpt directive line (see engine/tools/edition.py) becomes a titled code
+  block whose line numbers are the source's own, and whose title links to the
+  file at the edition's commit.
+- A placeholder ``{{ result(...) }}`` or ``{{ engine(...) }}`` becomes the value
+  a snippet recorded, or the constant the engine defines (engine/tools/results.py).
+- A fenced code block may hold literal text only if it is a command or a diagram
+  (bash, console, mermaid); any other fence must hold exactly one snippet include.
+  Includes may name only the book's snippets, their outputs and results.
+
+Every problem is a warning while serving, and fails `mkdocs build --strict` at
+the end of the build, listing each one with its page and line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -19,14 +28,29 @@ if str(ROOT) not in sys.path:
 
 from mkdocs.exceptions import PluginError  # noqa: E402
 
-from engine.tools.edition import MANIFEST, ExcerptError, extract, parse_directive  # noqa: E402
+from engine.tools.edition import (  # noqa: E402
+    MANIFEST,
+    ExcerptError,
+    extract,
+    parse_directive,
+    strip_html_comments,
+)
+from engine.tools.results import substitute  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.book")
-_missing: list[str] = []
+_problems: list[str] = []
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+INCLUDE = re.compile(r'^[ \t]*--8<-- "(?P<path>[^"]+)"[ \t]*$')
+# Fences whose body is written in the page: commands to type, and diagrams.
+LITERAL_FENCES = {"bash", "sh", "console", "shell", "mermaid"}
+SNIPPET_FILE = re.compile(r"^snippets/ch\d\d/(e\d\d_\w+|demo_\w+)\.(py|out|json)$")
+# Files outside snippets/chNN/ that a page may include, and why.
+INCLUDE_ALLOWLIST: dict[str, str] = {}
 
 
 def on_pre_build(config) -> None:
-    _missing.clear()
+    _problems.clear()
 
 
 def on_config(config):
@@ -36,15 +60,60 @@ def on_config(config):
     return config
 
 
+def _problem(page, line: int, message: str) -> None:
+    where = f"docs/{page.file.src_uri}:{line}"
+    _problems.append(f"{where}: {message}")
+    log.warning("%s: %s", where, message)
+
+
+def check_fences(markdown: str, report) -> None:
+    """Report every fenced block that holds pasted text instead of an include,
+    and every include of a file that is not one of the book's snippets."""
+    lines = strip_html_comments(markdown).splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            if (inc := INCLUDE.match(lines[i])) and not inc["path"].startswith("engine/"):
+                report(i + 1, f"include outside a code fence: {inc['path']}")
+            i += 1
+            continue
+        start, closing = i, m["fence"]
+        i += 1
+        while i < len(lines) and lines[i].strip() != closing:
+            i += 1
+        body = [ln for ln in lines[start + 1 : i] if ln.strip()]
+        language = (m["info"].split() or [""])[0].lstrip(".").lower()
+        i += 1
+        if language in LITERAL_FENCES:
+            continue
+        inc = INCLUDE.match(body[0]) if len(body) == 1 else None
+        if inc is None:
+            report(start + 1, f"a ```{language or 'plain'} block must hold one snippet include")
+        elif not (SNIPPET_FILE.match(inc["path"]) or inc["path"] in INCLUDE_ALLOWLIST):
+            report(start + 2, f"{inc['path']} is not a snippet, output or result file")
+        elif not (ROOT / inc["path"]).is_file():
+            report(start + 2, f"{inc['path']} does not exist")
+
+
+def _source_url(config, file: str, start: int, end: int) -> str | None:
+    repo = (config.repo_url or "").rstrip("/")
+    commit = config.extra.get("edition", {}).get("commit", "")
+    if not repo or not commit or commit == "unknown":
+        return None
+    return f"{repo}/blob/{commit}/{file}#L{start}-L{end}"
+
+
 def _fence(indent: str, ex, title: str) -> list[str]:
     head = f'{indent}```python title="{title}" linenums="{ex.start}"'
     body = [f"{indent}{line}" if line else "" for line in ex.text.splitlines()]
     return [head, *body, f"{indent}```"]
 
 
-def on_page_markdown(markdown: str, page, config, files) -> str:
+def expand_excerpts(markdown: str, config, report, links: dict[str, str]) -> str:
+    """Swap each directive for its code block; remember each title's source URL."""
     out: list[str] = []
-    for line in markdown.splitlines():
+    for number, line in enumerate(markdown.splitlines(), 1):
         parsed = parse_directive(line)
         if parsed is None:
             out.append(line)
@@ -53,18 +122,43 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         try:
             ex = extract(ROOT, file, name, kind)
         except (ExcerptError, SyntaxError) as err:
-            _missing.append(f"{page.file.src_uri}: {line.strip()}: {err}")
-            log.warning("%s: excerpt %s not found: %s", page.file.src_uri, line.strip(), err)
+            report(number, f"excerpt {line.strip()} not found: {err}")
             out += [
                 f'{indent}!!! failure "Missing excerpt"',
                 f"{indent}    `{line.strip()}`: {err}",
             ]
             continue
-        out += _fence(indent, ex, f"{file} · {name}")
+        title = f"{file} · {name}"
+        out += _fence(indent, ex, title)
+        if url := _source_url(config, file, ex.start, ex.end):
+            links[title] = url
     return "\n".join(out) + "\n"
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    def report(line: int, message: str) -> None:
+        _problem(page, line, message)
+
+    check_fences(markdown, report)
+    markdown, errors = substitute(ROOT, page.file.src_uri, markdown)
+    for error in errors:
+        _problems.append(error)
+        log.warning("%s", error)
+    page.excerpt_links = {}
+    return expand_excerpts(markdown, config, report, page.excerpt_links)
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """Make each excerpt's title a link to its lines at the edition's commit."""
+    for title, url in getattr(page, "excerpt_links", {}).items():
+        html = html.replace(
+            f'<span class="filename">{title}</span>',
+            f'<span class="filename"><a href="{url}">{title}</a></span>',
+        )
+    return html
 
 
 def on_post_build(config) -> None:
     # A warning alone does not stop `mkdocs build --strict -q`; an error does.
-    if config.strict and _missing:
-        raise PluginError("pages name excerpts the engine does not define:\n" + "\n".join(_missing))
+    if config.strict and _problems:
+        raise PluginError("the book's pages have problems:\n" + "\n".join(_problems))

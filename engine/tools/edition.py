@@ -17,6 +17,7 @@ check`` compares a checkout with such a manifest.
 from __future__ import annotations
 
 import ast
+import difflib
 import hashlib
 import json
 import re
@@ -56,7 +57,7 @@ class Excerpt:
         return f"{self.file}{'::' if self.kind == 'name' else ':'}{self.name}"
 
 
-def _find_qualname(tree: ast.Module, qualname: str) -> ast.AST | None:
+def find_qualname(tree: ast.Module, qualname: str) -> ast.AST | None:
     """Walk class and function bodies along a dotted name."""
     body: list[ast.stmt] = tree.body
     node: ast.AST | None = None
@@ -96,7 +97,7 @@ def extract(root: Path, file: str, name: str, kind: str) -> Excerpt:
     source = path.read_text()
     lines = source.splitlines()
     if kind == "name":
-        node = _find_qualname(ast.parse(source, filename=file), name)
+        node = find_qualname(ast.parse(source, filename=file), name)
         if node is None:
             raise ExcerptError(f"{file} defines no {name!r}")
         decorators = getattr(node, "decorator_list", [])
@@ -132,6 +133,64 @@ def defined_sections(root: Path) -> list[tuple[str, str]]:
     return found
 
 
+def _names_in(tree: ast.Module) -> set[str]:
+    """Qualified names one module defines: its functions, classes and constants;
+    each class's methods and class attributes, and what its methods assign to
+    ``self``; each function's parameters (keyword names the prose may quote)."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt], prefix: str, in_class: bool) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                qual = prefix + stmt.name
+                names.add(qual)
+                if isinstance(stmt, ast.ClassDef):
+                    visit(stmt.body, qual + ".", True)
+                    continue
+                args = stmt.args
+                for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                    names.add(f"{qual}.{a.arg}")
+                if in_class:
+                    for node in ast.walk(stmt):
+                        if (
+                            isinstance(node, ast.Attribute)
+                            and isinstance(node.value, ast.Name)
+                            and node.value.id == "self"
+                            and isinstance(node.ctx, ast.Store)
+                        ):
+                            names.add(prefix + node.attr)
+            elif isinstance(stmt, ast.Assign | ast.AnnAssign):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                for t in targets:
+                    for node in ast.walk(t):
+                        if isinstance(node, ast.Name):
+                            names.add(prefix + node.id)
+
+    visit(tree.body, "", False)
+    return names
+
+
+def defined_names(root: Path) -> set[str]:
+    """Every qualified name under engine/, without its module: ``Scheduler.schedule``,
+    ``BlockManager.free_blocks``, ``chain_hash``, ``DECODE_GROUP``."""
+    names: set[str] = set()
+    for path in sorted((root / "engine").rglob("*.py")):
+        names |= _names_in(ast.parse(path.read_text(), filename=str(path)))
+        names.add(path.stem)  # a module may be named too: `block_manager`
+    return names
+
+
+def resolves(ref: str, names: set[str]) -> bool:
+    """Does a name the prose quotes exist in the engine? ``Class.member`` must be
+    that class's; ``obj.attr.member`` (a variable first) needs only the member;
+    a bare ``name`` or ``name()`` may be any definition's last part."""
+    parts = ref.split("(")[0].split(".")
+    if len(parts) > 1 and parts[0][:1].isupper():
+        return ".".join(parts[-2:]) in names or ".".join(parts) in names
+    last = parts[-1]
+    return any(n == last or n.endswith("." + last) for n in names)
+
+
 def page_title(markdown: str, fallback: str) -> str:
     for line in markdown.splitlines():
         if line.startswith("# "):
@@ -139,11 +198,20 @@ def page_title(markdown: str, fallback: str) -> str:
     return fallback
 
 
+HTML_COMMENT = re.compile(r"<!--.*?-->", re.S)
+
+
+def strip_html_comments(markdown: str) -> str:
+    """Blank out HTML comments, keeping line numbers: what a comment holds is
+    not shown, so a directive inside one must not count as shown."""
+    return HTML_COMMENT.sub(lambda m: "\n" * m[0].count("\n"), markdown)
+
+
 def collect(root: Path) -> list[dict]:
     """Every excerpt every page shows, in page order: the manifest's body."""
     entries = []
     for page in sorted((root / "docs").rglob("*.md")):
-        markdown = page.read_text()
+        markdown = strip_html_comments(page.read_text())
         rel = page.relative_to(root / "docs").as_posix()
         title = page_title(markdown, rel)
         for line in markdown.splitlines():
@@ -161,6 +229,7 @@ def collect(root: Path) -> list[dict]:
                     "kind": ex.kind,
                     "lines": [ex.start, ex.end],
                     "sha256": ex.sha256,
+                    "text": ex.text,
                 }
             )
     return entries
@@ -209,6 +278,19 @@ class Difference:
         now = f"{self.now.file} lines {self.now.start}-{self.now.end}"
         return f"{self.status:<9} {e['name']}  ({was} -> {now})"
 
+    def diff(self) -> str:
+        """What changed, as a unified diff of the excerpt's text (editions that
+        recorded only a hash can say that it changed, not how)."""
+        if self.status != "changed" or "text" not in self.entry or self.now is None:
+            return ""
+        lines = difflib.unified_diff(
+            self.entry["text"].splitlines(keepends=True),
+            self.now.text.splitlines(keepends=True),
+            fromfile=f"{self.entry['name']} (the book's edition)",
+            tofile=f"{self.now.name} (this checkout)",
+        )
+        return "".join(lines)
+
 
 def compare(root: Path, manifest: dict) -> list[Difference]:
     """Check every excerpt the manifest lists against the checkout at ``root``."""
@@ -256,7 +338,9 @@ def report(root: Path, manifest: dict, diffs: list[Difference]) -> str:
     for chapter, group in chapters.items():
         lines.append("")
         lines.append(f"{chapter}  [{group[0].entry['page']}]")
-        lines.extend(f"  {d.entry['file']}: {d.describe()}" for d in group)
+        for d in group:
+            lines.append(f"  {d.entry['file']}: {d.describe()}")
+            lines.extend(f"      {row}" for row in d.diff().splitlines())
     return "\n".join(lines)
 
 
