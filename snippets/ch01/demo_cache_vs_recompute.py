@@ -6,8 +6,10 @@ computes one new token and reads every earlier key and value from the cache.
 Then, for each of those steps, a fresh request with the prefix cache off feeds
 the whole sequence so far as a prompt, so every key and value is computed
 again, and takes one token. The two must agree: the same token, with
-log-probabilities within 1e-4.
+log-probabilities within LOGPROB_TOL.
 """
+
+from __future__ import annotations
 
 import os
 
@@ -16,26 +18,44 @@ from engine import LLM, SamplingParams
 MODEL = os.environ.get("DEEPINFER_DEMO_MODEL", "snippets/models/deepinfer-tiny")
 PROMPT = "The scheduler admits a waiting request when"
 STEPS = 12
+LOGPROB_TOL = 1e-4  # how close the two paths' log-probabilities must be
 
-cached = LLM(MODEL)
-params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=1)
-out = cached.generate([PROMPT], params, use_tqdm=False)[0]
-prompt_ids = out.prompt_token_ids
 
-fresh = LLM(MODEL, enable_prefix_caching=False)
-one = SamplingParams(temperature=0, max_tokens=1, logprobs=1, ignore_eos=True)
+def main() -> dict:
+    cached = LLM(MODEL)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=1)
+    out = cached.generate([PROMPT], params, use_tqdm=False)[0]
+    prompt_ids = out.prompt_token_ids
 
-print(f"prompt: {PROMPT!r} ({len(prompt_ids)} tokens)")
-print(f"{'step':>4} {'context':>7}  {'token chosen with the cache':<28} recompute agrees")
-for i, token in enumerate(out.token_ids):
-    again = fresh.generate([prompt_ids + out.token_ids[:i]], one, use_tqdm=False)[0]
-    same_token = again.token_ids[0] == token
-    close = abs(again.logprobs[0][again.token_ids[0]] - out.logprobs[i][token]) < 1e-4
-    agrees = "yes" if same_token and close else f"NO (token {same_token}, logprob {close})"
-    text = repr(cached.tokenizer.decode([token]))
-    print(f"{i + 1:>4} {len(prompt_ids) + i:>7}  {text:<28} {agrees}")
+    fresh = LLM(MODEL, enable_prefix_caching=False)
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=1, ignore_eos=True)
 
-computed = cached.stats.prefill_tokens + cached.stats.decode_tokens
-print()
-print(f"tokens computed: {computed} with the cache, {fresh.stats.prefill_tokens} recomputing")
-print(f"text: {out.text!r}")
+    print(f"prompt: {PROMPT!r} ({len(prompt_ids)} tokens)")
+    print(f"{'step':>4} {'context':>7}  {'token chosen with the cache':<28} recompute agrees")
+    agree = []
+    for i, token in enumerate(out.token_ids):
+        again = fresh.generate([prompt_ids + out.token_ids[:i]], one, use_tqdm=False)[0]
+        same_token = again.token_ids[0] == token
+        close = abs(again.logprobs[0][again.token_ids[0]] - out.logprobs[i][token]) < LOGPROB_TOL
+        agree.append(same_token and close)
+        agrees = "yes" if same_token and close else f"NO (token {same_token}, logprob {close})"
+        text = repr(cached.tokenizer.decode([token]))
+        print(f"{i + 1:>4} {len(prompt_ids) + i:>7}  {text:<28} {agrees}")
+
+    computed = cached.stats.prefill_tokens + cached.stats.decode_tokens
+    print()
+    print(f"tokens computed: {computed} with the cache, {fresh.stats.prefill_tokens} recomputing")
+    print(f"text: {out.text!r}")
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "steps": STEPS,
+        "last_context": len(prompt_ids) + STEPS - 1,
+        "all_agree": all(agree),
+        "logprob_tol": LOGPROB_TOL,
+        "computed_with_cache": computed,
+        "computed_recomputing": fresh.stats.prefill_tokens,
+    }
+
+
+if __name__ == "__main__":
+    main()
