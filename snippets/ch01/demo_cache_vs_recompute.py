@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from engine import LLM, SamplingParams
+from engine.cuda_graph import batch_buckets
 
 MODEL = os.environ.get("DEEPINFER_DEMO_MODEL", "snippets/models/deepinfer-tiny")
 PROMPT = "The scheduler admits a waiting request when"
@@ -21,8 +22,30 @@ STEPS = 12
 LOGPROB_TOL = 1e-4  # how close the two paths' log-probabilities must be
 
 
+# The one place this demo reads the engine's internals.
+def engine_facts(llm: LLM) -> dict:
+    """What the chapter quotes about the engine that only the engine computes:
+    the model's size and kind, and the batch sizes it captures CUDA graphs for
+    on a GPU (on a CPU it captures none, and this demo runs eagerly)."""
+    engine = llm.llm_engine
+    params = sum(p.numel() for p in engine.model_runner.model.parameters())
+    buckets = batch_buckets(engine.config.max_num_seqs)
+    return {
+        "model": os.path.basename(MODEL),
+        "model_architecture": engine.config.hf_config.architecture,
+        "model_parameters": params,
+        "model_parameters_million": params / 1e6,
+        "cuda_graph_buckets": buckets,
+        "cuda_graph_small_buckets": [b for b in buckets if b < buckets[4]],
+        "cuda_graph_bucket_step": buckets[5] - buckets[4],
+        "cuda_graph_largest_bucket": buckets[-1],
+    }
+
+
 def main() -> dict:
     cached = LLM(MODEL)
+    facts = engine_facts(cached)
+    print(f"model: {facts['model']}, {facts['model_parameters']:,} parameters")
     params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=1)
     out = cached.generate([PROMPT], params, use_tqdm=False)[0]
     prompt_ids = out.prompt_token_ids
@@ -47,6 +70,7 @@ def main() -> dict:
     print(f"tokens computed: {computed} with the cache, {fresh.stats.prefill_tokens} recomputing")
     print(f"text: {out.text!r}")
     return {
+        **facts,
         "prompt_tokens": len(prompt_ids),
         "steps": STEPS,
         "last_context": len(prompt_ids) + STEPS - 1,

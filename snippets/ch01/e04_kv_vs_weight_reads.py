@@ -26,7 +26,8 @@ HBM_CAPACITY = 141e9  # 141 GB
 
 BATCHES = [1, 8, 32, 64, 128, 256]
 CONTEXTS = [1024, 4096, 16384, 65536]
-PROBES = [(32, 1024), (32, 16384)]  # (batch, context) pairs worked out in full
+PROBE_BATCH = 32  # the batch worked out in full...
+PROBE_CONTEXTS = {"short": 1024, "long": 16384}  # ...at these contexts
 
 
 def step_bytes(batch: int, context: int) -> tuple[float, float]:
@@ -69,13 +70,14 @@ def main() -> dict:
     print(f"* weights and KV together exceed the {GPU}'s {HBM_CAPACITY / 1e9:.0f} GB")
     print()
     results: dict = {}
-    for batch in sorted({b for b, _ in PROBES}):
-        step = WEIGHT_BYTES / HBM_BYTES_PER_S
-        print(f"batch {batch}, weights alone:")
-        print(f"  {step * 1e3:.1f} ms a step, {batch / step:,.0f} tokens/s")
-        results[f"weights_only_ms_batch_{batch}"] = step * 1e3
-        results[f"weights_only_tokens_per_s_batch_{batch}"] = batch / step
-    for batch, context in PROBES:
+    batch = PROBE_BATCH
+    step = WEIGHT_BYTES / HBM_BYTES_PER_S
+    print(f"batch {batch}, weights alone:")
+    print(f"  {step * 1e3:.1f} ms a step, {batch / step:,.0f} tokens/s")
+    results[f"weights_only_ms_batch_{batch}"] = step * 1e3
+    results[f"weights_only_tokens_per_s_batch_{batch}"] = batch / step
+    for name, context in PROBE_CONTEXTS.items():
+        results[f"probe_{name}_context"] = context
         weights, kv = step_bytes(batch, context)
         step = step_seconds(batch, context)
         print(f"batch {batch}, {context:,} tokens each:")
@@ -94,8 +96,7 @@ def main() -> dict:
         "weight_gb": WEIGHT_BYTES / 1e9,
         "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
         "hbm_capacity_gb": HBM_CAPACITY / 1e9,
-        "probe_batch": PROBES[0][0],
-        "probe_contexts": [c for _, c in PROBES],
+        "probe_batch": PROBE_BATCH,
         **results,
     }
 
