@@ -96,6 +96,7 @@ def main() -> dict:
         "max_output": MAX_OUTPUT,
         "pool": POOL,
         "block": BLOCK,
+        "largest_block": max(b for b in SCHEMES.values() if b is not None),
         "mean_length": used / REQUESTS,
         "shortest_group_max": LENGTH_GROUPS[0][1],
         "paged_max_empty_slots": BLOCK - 1,
