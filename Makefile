@@ -2,7 +2,8 @@
 #   make serve     the book at http://127.0.0.1:8000, rebuilt when docs/, snippets/ or engine/ change
 #   make test      install everything, then run the whole test suite
 #   make build     mkdocs build --strict
-#   make snippets  the drift guard alone: re-run every snippet and diff it with its recorded output
+#   make snippets  the whole drift guard: outputs and results, their places on the pages,
+#                  the prose's numbers and names, plots, and the edition manifest
 #   make regen     rewrite every recorded output, plot and the edition manifest (nothing else writes)
 #   make lint      ruff check and ruff format --check
 
@@ -58,8 +59,12 @@ chromium:
 test: $(VENV)/.all chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Every test that keeps prose, excerpts, outputs and plots in step.
+GUARD_TESTS := $(wildcard tests/test_snippets.py tests/test_snippet_sources.py tests/test_results.py \
+	tests/test_page_guard.py tests/test_prose.py tests/test_plots.py tests/test_edition.py)
+
 snippets: $(VENV)/.all
-	$(BIN)/python -m pytest tests/test_snippets.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(GUARD_TESTS) $(PYTEST_ARGS)
 
 regen: $(VENV)/.all
 	$(BIN)/python snippets/_runner.py regen

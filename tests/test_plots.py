@@ -66,3 +66,17 @@ def test_every_shown_plot_exists() -> None:
         if not (runner.PLOT_DIR / m["name"]).is_file()
     ]
     assert not missing, "pages show plots that do not exist:\n" + "\n".join(missing)
+
+
+ANY_IMAGE = re.compile(r"!\[[^\]]*\]\((?P<src>[^)\s]+)|<img[^>]*\ssrc=\"(?P<html>[^\"]+)\"", re.S)
+
+
+def test_every_image_a_page_shows_is_a_generated_plot() -> None:
+    """A page cannot show a picture that no script draws: it could show anything."""
+    strays = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for m in ANY_IMAGE.finditer(page.read_text()):
+            src = m["src"] or m["html"]
+            if not IMAGE.search(f"]({src})"):
+                strays.append(f"{rel(page)}: {src}")
+    assert not strays, "images that no plot script draws:\n" + "\n".join(strays)

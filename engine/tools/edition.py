@@ -136,7 +136,8 @@ def defined_sections(root: Path) -> list[tuple[str, str]]:
 def _names_in(tree: ast.Module) -> set[str]:
     """Qualified names one module defines: its functions, classes and constants;
     each class's methods and class attributes, and what its methods assign to
-    ``self``; each function's parameters (keyword names the prose may quote)."""
+    ``self``; each function's parameters and locals (an excerpt shows them, so
+    the prose may name them)."""
     names: set[str] = set()
 
     def visit(body: list[ast.stmt], prefix: str, in_class: bool) -> None:
@@ -150,14 +151,13 @@ def _names_in(tree: ast.Module) -> set[str]:
                 args = stmt.args
                 for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
                     names.add(f"{qual}.{a.arg}")
-                if in_class:
-                    for node in ast.walk(stmt):
-                        if (
-                            isinstance(node, ast.Attribute)
-                            and isinstance(node.value, ast.Name)
-                            and node.value.id == "self"
-                            and isinstance(node.ctx, ast.Store)
-                        ):
+                for node in ast.walk(stmt):
+                    if not isinstance(getattr(node, "ctx", None), ast.Store):
+                        continue
+                    if isinstance(node, ast.Name):  # a local the prose may point at
+                        names.add(f"{qual}.{node.id}")
+                    elif in_class and isinstance(node, ast.Attribute):
+                        if isinstance(node.value, ast.Name) and node.value.id == "self":
                             names.add(prefix + node.attr)
             elif isinstance(stmt, ast.Assign | ast.AnnAssign):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
