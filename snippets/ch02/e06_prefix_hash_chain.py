@@ -108,6 +108,7 @@ def main() -> dict:
         "block": BLOCK,
         "system_full_blocks": SYSTEM // BLOCK,
         "system_tail_tokens": SYSTEM % BLOCK,
+        "system_full_block_tokens": SYSTEM // BLOCK * BLOCK,
         "first_own_block": SYSTEM // BLOCK,
         "shared_blocks": shared,
         "blocks_without_reuse": total,
