@@ -41,7 +41,8 @@ def ridge_batch() -> float:
 def main() -> None:
     print("H200 SXM, published figures (not measured): 4.8 TB/s HBM, 989 TFLOP/s dense BF16")
     print(
-        f"model: {PARAMS / 1e9:.1f}e9 parameters in bf16, {PARAMS * BYTES_PER_PARAM / 1e9:.0f} GB of weights per step"
+        f"model: {PARAMS / 1e9:.1f}e9 parameters in bf16, "
+        f"{PARAMS * BYTES_PER_PARAM / 1e9:.0f} GB of weights per step"
     )
     print()
     print(
@@ -52,7 +53,8 @@ def main() -> None:
         rate = tokens_per_s(batch)
         bound = "memory" if memory >= compute else "compute"
         print(
-            f"{batch:>5} {memory * 1e3:>10.3f} {compute * 1e3:>11.3f} {rate:>10,.0f} {rate / batch:>12.1f}  {bound}"
+            f"{batch:>5} {memory * 1e3:>10.3f} {compute * 1e3:>11.3f} "
+            f"{rate:>10,.0f} {rate / batch:>12.1f}  {bound}"
         )
     print()
     ridge = ridge_batch()

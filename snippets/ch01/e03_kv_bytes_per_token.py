@@ -37,12 +37,14 @@ def main() -> None:
     print("KV cache per token in bf16, from each model's config.json on Hugging Face")
     print()
     print(
-        f"{'model':<19} {'kind':<4} {'layers':>6} {'values/layer':>12} {'bytes/token':>12} {'KiB':>8} {'GiB @32k':>9}"
+        f"{'model':<19} {'kind':<4} {'layers':>6} {'values/layer':>12} "
+        f"{'bytes/token':>12} {'KiB':>8} {'GiB @32k':>9}"
     )
     for name, _, kind, layers, values in MODELS:
         size = bytes_per_token(layers, values)
         print(
-            f"{name:<19} {kind:<4} {layers:>6} {values:>12,} {size:>12,} {size / 1024:>8,.1f} {size * CONTEXT / 2**30:>9.2f}"
+            f"{name:<19} {kind:<4} {layers:>6} {values:>12,} {size:>12,} "
+            f"{size / 1024:>8,.1f} {size * CONTEXT / 2**30:>9.2f}"
         )
     print()
     print("sources (config.json on huggingface.co):")

@@ -68,7 +68,8 @@ def main() -> None:
     for name, block in SCHEMES.items():
         total = sum(reserved(n, block) for n in lengths)
         print(
-            f"{name:<22} {total:>10,} {used:>10,} {1 - used / total:>7.1%} {fit_in_pool(lengths, block):>12}"
+            f"{name:<22} {total:>10,} {used:>10,} {1 - used / total:>7.1%} "
+            f"{fit_in_pool(lengths, block):>12}"
         )
     print()
     print("waste by request length, contiguous vs paged (block 16)")
