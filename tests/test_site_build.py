@@ -157,7 +157,7 @@ def test_experiments_page_lists_every_experiment(site) -> None:
         cells = [c for c in row.children if isinstance(c, Element) and c.tag == "td"]
         number_cell, chapter, title, needs, command = (" ".join(c.text().split()) for c in cells)
         assert number_cell == f"Experiment {number}"
-        assert chapter.startswith(f"{int(path[11:13])}. "), chapter
+        assert chapter == f"Chapter {int(path[11:13])}", chapter
         docstring = (ROOT / path).read_text().split("\n", 1)[0]
         assert title.rstrip(".").lower() in docstring.lower(), (title, docstring)
         assert needs, number

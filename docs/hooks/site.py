@@ -124,7 +124,10 @@ def experiments_markdown(experiments: list[Experiment], docs: Path) -> str:
     rows = []
     for e in experiments:
         page = chapters.get(e.chapter)
-        chapter = f"[{_h1(page)}]({page.name})" if page else f"Chapter {e.chapter}"
+        # Short, so the table fits a desktop column; the chapter's title shows on hover.
+        chapter = (
+            f'[Chapter {e.chapter}]({page.name} "{_h1(page)}")' if page else f"Chapter {e.chapter}"
+        )
         needs = ", ".join(f"`{n}`" for n in e.needs) or "standard library"
         rows.append(
             f"| Experiment {e.number} | {chapter} | {e.title} | {needs} | `python {e.path}` |"
@@ -137,9 +140,13 @@ def experiments_markdown(experiments: list[Experiment], docs: Path) -> str:
             "built. Run one from the repository's root with the Python you already have; it",
             "prints exactly the output the book records beside it (`.out`).",
             "",
+            '<div class="experiments-table" markdown>',
+            "",
             "| Experiment | Chapter | What it measures | Needs | Run it |",
             "|---|---|---|---|---|",
             *rows,
+            "",
+            "</div>",
             "",
             "/// table-caption",
             "Every experiment, the chapter it belongs to, and the command that runs it.",
