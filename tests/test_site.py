@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 import pytest
 
 from tests.conftest import ARTIFACTS
+from tests.test_snippet_sources import OUTPUT_WIDTH
 
 pytestmark = pytest.mark.browser
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
@@ -329,7 +330,9 @@ def test_output_columns_on_a_phone(open_page, site) -> None:
     fit = page.evaluate(OUTPUT_COLUMNS)
     record(f"output block at {PHONE} px", [f"{fit['columns']} columns of {fit['font']} mono"])
     assert float(fit["font"].removesuffix("px")) >= MIN_OUTPUT_MONO_PX
-    assert fit["columns"] >= 44, f"an output block shows only {fit['columns']} columns"
+    assert fit["columns"] >= OUTPUT_WIDTH, (
+        f"an output block shows {fit['columns']} columns; snippets print up to {OUTPUT_WIDTH}"
+    )
 
 
 SHOTS = {  # what a reader sees first: the top, and the first of each kind of block

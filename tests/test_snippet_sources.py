@@ -27,7 +27,7 @@ EXPERIMENTS = [p for p in SNIPPETS if runner.EXPERIMENT.match(p)]
 SOURCES = SNIPPETS + [p.relative_to(ROOT).as_posix() for p in runner.plot_scripts()]
 
 # The widest output line a 390-px phone shows without scrolling.
-OUTPUT_WIDTH = 64
+OUTPUT_WIDTH = 56
 # Words whose digits are part of a name, not a figure: number formats, hashes,
 # and the published names of GPUs, links and models.
 NAMED_DIGITS = re.compile(

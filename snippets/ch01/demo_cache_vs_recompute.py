@@ -53,8 +53,10 @@ def main() -> dict:
     fresh = LLM(MODEL, enable_prefix_caching=False)
     one = SamplingParams(temperature=0, max_tokens=1, logprobs=1, ignore_eos=True)
 
-    print(f"prompt: {PROMPT!r} ({len(prompt_ids)} tokens)")
-    print(f"{'step':>4} {'context':>7}  {'token chosen with the cache':<28} recompute agrees")
+    print(f"prompt ({len(prompt_ids)} tokens):")
+    print(f"  {PROMPT!r}")
+    print(f"{'step':>4} {'context':>7}  {'token, with the cache':<28} recompute")
+    print(f"{'':>4} {'':>7}  {'':<28} agrees")
     agree = []
     for i, token in enumerate(out.token_ids):
         again = fresh.generate([prompt_ids + out.token_ids[:i]], one, use_tqdm=False)[0]

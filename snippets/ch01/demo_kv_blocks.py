@@ -24,7 +24,7 @@ PROMPTS = {
     "b": "The block manager keeps a free list of blocks, and",
     "c": "# Chapter 2",
 }
-TEXT_SHOWN = 48  # characters of each output shown
+TEXT_SHOWN = 42  # characters of each output shown
 
 
 # The one place this demo reads the engine's internals.

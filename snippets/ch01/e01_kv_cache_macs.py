@@ -141,7 +141,8 @@ def main() -> dict:
     print(f"multiply-adds over all {STEPS} steps:")
     print(f"  without the cache {sum(plain):>10,}")
     print(f"  with the cache    {sum(cached):>10,}")
-    print("(the first cached step fills the cache with the whole prompt)")
+    print("(the first cached step fills the cache")
+    print(" with the whole prompt)")
     return {
         "width": D,
         "vocab": VOCAB,

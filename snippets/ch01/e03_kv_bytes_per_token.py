@@ -88,7 +88,8 @@ def bytes_per_token(cfg: dict, values_per_layer: int) -> int:
 
 def main() -> dict:
     ctx = f"{CONTEXT // 1024}k"
-    print(f"KV cache per token in {DTYPE}, from config.json on Hugging Face")
+    print(f"KV cache per token in {DTYPE},")
+    print("  from config.json on Hugging Face")
     print()
     print(f"{'model':<13} {'kind':<4} {'layers':>6} {'values':>7} {'bytes':>9} {'GiB at':>8}")
     print(f"{'':<13} {'':<4} {'':>6} {'/layer':>7} {'/token':>9} {ctx + ' ctx':>8}")

@@ -81,10 +81,8 @@ def main() -> dict:
         weights, kv = step_bytes(batch, context)
         step = step_seconds(batch, context)
         print(f"batch {batch}, {context:,} tokens each:")
-        print(
-            f"  {weights / 1e9:.0f} GB weights + {kv / 1e9:.1f} GB KV,"
-            f" {step * 1e3:.1f} ms a step, {batch / step:,.0f} tokens/s"
-        )
+        print(f"  {weights / 1e9:.0f} GB weights + {kv / 1e9:.1f} GB KV,")
+        print(f"  {step * 1e3:.1f} ms a step, {batch / step:,.0f} tokens/s")
         key = f"batch_{batch}_context_{context}"
         results[f"kv_gb_{key}"] = kv / 1e9
         results[f"step_ms_{key}"] = step * 1e3

@@ -29,7 +29,7 @@ QUESTIONS = [
     "Q: When is a request preempted?\nA:",
 ]
 MAX_TOKENS = 16
-TEXT_SHOWN = 56  # characters shown of each answer
+TEXT_SHOWN = 46  # characters shown of each answer
 
 
 # The one place this demo reads the engine's internals.

@@ -76,7 +76,8 @@ def main() -> dict:
         key = "contiguous" if block is None else f"paged_{block}"
         results[f"{key}_waste"] = 1 - used / total
         results[f"{key}_fit"] = fit
-    print("(fit: requests, at their longest, that fit in the pool at once)")
+    print("(fit: requests, at their longest,")
+    print(" that fit in the pool at once)")
     print()
     print(f"waste by request length, contiguous vs paged (block {BLOCK})")
     for i, (low, high) in enumerate(LENGTH_GROUPS):
