@@ -64,3 +64,19 @@ def test_newest_is_preempted_first_and_resumes_later() -> None:
     assert not sched.has_unfinished()
     assert all(s.status is SequenceStatus.FINISHED for s in seqs)
     assert seqs[2].num_preemptions >= 1
+
+
+def test_a_preempted_sequence_goes_back_in_front_of_those_waiting() -> None:
+    sched = make(num_blocks=4, budget=64, block_size=4)
+    s0, s1, s2 = (Sequence(f"s{i}", [i] * 8, SamplingParams()) for i in range(3))
+    for s in (s0, s1, s2):
+        sched.add(s)
+    assert run_step(sched) == [("s0", 8), ("s1", 8)]  # s2 waits: no block is left
+    assert list(sched.waiting) == [s2]
+    # s0's 9th token needs a block: s1, the newest running, gives its two up and
+    # queues in front of s2, which arrived after it.
+    assert run_step(sched) == [("s0", 1)]
+    assert list(sched.waiting) == [s1, s2]
+    # s0 finishes; s1 is admitted before s2.
+    sched.finish(s0, "length")
+    assert [name for name, _ in run_step(sched)][0] == "s1"

@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from engine.kernels.availability import compiled_kernel_modules  # noqa: E402
+from engine.kernels.availability import compiled_kernel_modules, interpreter_active  # noqa: E402
 
 if compiled_kernel_modules() or not triton.knobs.runtime.interpret:
     # Triton (or engine.kernels) was imported in this process before the variable
@@ -359,8 +359,15 @@ def test_rotary_embedding(dtype: torch.dtype, head_dim: int, seed: int, poison: 
 # ---------------------------------------------------------------------------- availability
 
 
-def test_check_available_on_cpu_with_interpreter() -> None:
-    check_available("cpu")
+def test_check_available_on_cpu_with_interpreter(seed: int) -> None:
+    """The check passes here, and rightly: its conditions hold and a kernel runs."""
+    assert interpreter_active() and compiled_kernel_modules() == []
+    assert check_available("cpu") is None
+    assert check_available(torch.device("cpu")) is None
+    x, weight = torch.randn(3, 64), torch.randn(64)
+    check(rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), 1e-5, seed, "rms_norm")
+    with pytest.raises(RuntimeError, match="not on meta"):
+        check_available("meta")
 
 
 def test_check_available_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
