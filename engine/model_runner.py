@@ -17,6 +17,7 @@ from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.utils import cdiv
 
 
 @dataclass
@@ -55,7 +56,7 @@ class ModelRunner:
                 self.model,
                 self.backend,
                 min(config.max_num_seqs, 256),
-                -(-self.max_model_len // self.block_size),
+                cdiv(self.max_model_len, self.block_size),
                 c.hidden_size,
                 config.dtype,
                 self.device,
@@ -127,7 +128,7 @@ class ModelRunner:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = available * (cfg.kv_cache_memory_fraction or 0.2)
         longest = cfg.max_model_len or cfg.hf_config.max_position_embeddings
-        useful = cfg.max_num_seqs * -(-longest // self.block_size)
+        useful = cfg.max_num_seqs * cdiv(longest, self.block_size)
         return max(1, min(int(budget // self.block_bytes()), useful))
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:

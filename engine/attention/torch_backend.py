@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.utils import cdiv
 
 
 def gather_blocks(
@@ -58,7 +59,7 @@ class TorchBackend:
         groups = []
         for first in range(0, d, DECODE_GROUP):
             rows = order[first : first + DECODE_GROUP]
-            blocks = -(-lens[rows[-1]] // block_size)  # the group's longest context
+            blocks = cdiv(lens[rows[-1]], block_size)  # the group's longest context
             idx = torch.tensor(rows, device=tables.device)
             pos = torch.arange(blocks * block_size, device=tables.device)
             valid = pos < meta.context_lens[idx, None]
@@ -72,7 +73,7 @@ class TorchBackend:
             if n == ctx:  # no cached prefix: attend over the new tokens themselves
                 chunks.append((starts[i], n, None, None))
                 continue
-            blocks = -(-ctx // block_size)
+            blocks = cdiv(ctx, block_size)
             q_pos = torch.arange(ctx - n, ctx, device=tables.device)  # query j sits at ctx-n+j
             mask = torch.arange(ctx, device=tables.device) <= q_pos[:, None]
             chunks.append((starts[i], n, tables[i : i + 1, :blocks], mask))

@@ -50,3 +50,13 @@ def test_kernels_do_not_import_the_engine_above_them() -> None:
         if name.startswith("engine.") and not name.startswith("engine.kernels")
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_one_ceiling_division() -> None:
+    """engine.utils.cdiv is the engine's only spelling of ceiling division."""
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in modules(ENGINE)
+        if p != ENGINE / "utils.py" and "-(-" in p.read_text()
+    ]
+    assert not offenders, offenders

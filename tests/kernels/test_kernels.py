@@ -59,6 +59,7 @@ from engine.kernels import (  # noqa: E402
 )
 from engine.kernels.decode_attention import KV_SPLIT_SIZE  # noqa: E402
 from engine.kernels.prefill_attention import BLOCK_M  # noqa: E402
+from engine.utils import cdiv  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -114,7 +115,7 @@ def make_paged_cache(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V caches and block tables: blocks shuffled over the cache, spare blocks in it,
     tables padded with -1, and every slot outside a sequence's context NaN."""
-    needed = [-(-n // block_size) for n in context_lens]
+    needed = [cdiv(n, block_size) for n in context_lens]
     num_blocks = sum(needed) + 3
     order = torch.randperm(num_blocks).int()
     width = max(needed) + 2
