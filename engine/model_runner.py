@@ -3,7 +3,6 @@ turns the scheduler's decision into one forward pass over a flattened batch."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -12,6 +11,7 @@ import torch
 from engine.attention import AttentionMetadata, forward_context, get_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
+from engine.kv_cache import KVCachePool
 from engine.layers.sampler import Sampler, SamplingRow
 from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
@@ -42,9 +42,9 @@ class ModelRunner:
                 if hasattr(module, "use_triton"):
                     module.use_triton = True
         self.sampler = Sampler()
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_that_fit()
-        self.max_model_len = self._max_model_len()
-        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
+        self.num_kv_blocks = self.kv_cache.num_blocks
+        self.max_model_len = self.kv_cache.max_model_len
         self.graphs: CUDAGraphRunner | None = None
         if (
             self.device.type == "cuda"
@@ -61,75 +61,6 @@ class ModelRunner:
                 config.dtype,
                 self.device,
             )
-
-    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """One tensor for the whole cache: [k/v, layer, block, slot, kv_head, head_dim].
-
-        Each attention layer gets views of its own slice. A token's keys and
-        values for every layer live at the same (block, slot) address, so one
-        block table serves all layers.
-        """
-        c = self.config.hf_config
-        shape = (
-            2,
-            c.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-        )
-        # Zeros, not empty: padded reads are masked, but 0 * NaN would still be NaN.
-        kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
-        return kv_cache
-
-    def _max_model_len(self) -> int:
-        """The longest sequence we accept: the checkpoint's limit, and no more than
-        the whole cache holds (so a lone sequence can always run to the end)."""
-        cfg = self.config
-        limit = cfg.hf_config.max_position_embeddings
-        capacity = self.num_kv_blocks * cfg.block_size
-        if cfg.max_model_len is None:
-            return min(limit, capacity)
-        if cfg.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {cfg.max_model_len} exceeds the model's "
-                f"max_position_embeddings {limit}"
-            )
-        if cfg.max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len {cfg.max_model_len} does not fit in the KV cache "
-                f"({self.num_kv_blocks} blocks of {cfg.block_size} = {capacity} tokens); "
-                "raise num_kv_blocks or lower max_model_len"
-            )
-        return cfg.max_model_len
-
-    def block_bytes(self) -> int:
-        c = self.config.hf_config
-        itemsize = torch.empty(0, dtype=self.config.dtype).element_size()
-        return (
-            2
-            * c.num_hidden_layers
-            * self.block_size
-            * c.num_key_value_heads
-            * c.head_dim
-            * itemsize
-        )
-
-    def _blocks_that_fit(self) -> int:
-        """Size the cache from a share of free memory, but never beyond what
-        max_num_seqs sequences of the longest allowed length could use."""
-        cfg = self.config
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * (cfg.kv_cache_memory_fraction or 0.9)
-        else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = available * (cfg.kv_cache_memory_fraction or 0.2)
-        longest = cfg.max_model_len or cfg.hf_config.max_position_embeddings
-        useful = cfg.max_num_seqs * cdiv(longest, self.block_size)
-        return max(1, min(int(budget // self.block_bytes()), useful))
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled sequences into one batch, decodes first.

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.kv_cache import PagedKV
+
 
 @dataclass
 class AttentionMetadata:
@@ -36,12 +38,7 @@ class AttentionBackend(Protocol):
         """Per-step work shared by every layer (runs once, before the forward)."""
 
     def store_kvcache(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, k: torch.Tensor, v: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor
     ) -> None: ...
 
     def forward(
@@ -49,8 +46,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: PagedKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.kv_cache import PagedKV, store_kvcache
 from engine.utils import cdiv
 
 
@@ -79,15 +80,13 @@ class TorchBackend:
             chunks.append((starts[i], n, tables[i : i + 1, :blocks], mask))
         meta.prepared["prefill"] = chunks
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        """Write this step's keys and values into their slots. (Slot -1, the
-        padding of a CUDA graph's batch, never reaches this backend.)"""
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    def store_kvcache(self, k, v, cache: PagedKV, slot_mapping) -> None:
+        store_kvcache(k, v, cache, slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, cache: PagedKV, meta: AttentionMetadata, scale: float):
         """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim],
         already stored in the cache. The result has q's shape."""
+        k_cache, v_cache = cache.k, cache.v
         # --8<-- [start:decode_attend]
         out = torch.empty_like(q)
         kv_heads = k_cache.shape[2]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.kv_cache import PagedKV
 
 
 class TritonBackend:
@@ -36,10 +37,11 @@ class TritonBackend:
                 max(meta.query_lens_cpu[d:]),  # known on the host: no wait for the GPU
             )
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        self.kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kvcache(self, k, v, cache: PagedKV, slot_mapping) -> None:
+        self.kernels.store_kvcache(k, v, cache.k, cache.v, slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, cache: PagedKV, meta: AttentionMetadata, scale: float):
+        k_cache, v_cache = cache.k, cache.v
         out = torch.empty_like(q)
         d = meta.num_decodes
         if d:
