@@ -35,12 +35,8 @@ class ModelRunner:
         self.stats = stats or EngineStats()
         self.device = torch.device(config.device)
         self.block_size = config.block_size
-        self.backend = get_backend(config.attention_backend, config.device)
+        self.backend = get_backend(config.attention_backend, config.device, config.block_size)
         self.model = load_model(config)
-        if self.backend.name == "triton":  # fused kernels for norms and RoPE too
-            for module in self.model.modules():
-                if hasattr(module, "use_triton"):
-                    module.use_triton = True
         self.sampler = Sampler()
         self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
         self.num_kv_blocks = self.kv_cache.num_blocks
@@ -62,7 +58,7 @@ class ModelRunner:
                 self.device,
             )
 
-    def prepare(self, out: SchedulerOutput) -> ModelInput:
+    def build_model_input(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled sequences into one batch, decodes first.
 
         For every new token: its id, its position in its own sequence, and the
@@ -119,13 +115,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> tuple[ModelInput, torch.Tensor]:
         """One forward pass; logits only for the rows that will sample."""
-        batch = self.prepare(out)
-        self.backend.prepare(batch.meta, self.block_size)
+        batch = self.build_model_input(out)
+        graph = self.graphs is not None and self.graphs.can_run(batch.meta)
+        attn_metadata = None if graph else self.backend.build_metadata(batch.meta)
         start = time.perf_counter()
-        if self.graphs is not None and self.graphs.can_run(batch.meta):
+        if graph:  # decodes only, on the GPU: replay the captured kernels
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
-            with forward_context(batch.meta, self.backend):
+            with forward_context(batch.meta, attn_metadata, self.backend):
                 hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
         self.stats.forward_seconds += time.perf_counter() - start

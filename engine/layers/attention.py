@@ -31,4 +31,4 @@ class Attention(nn.Module):
         """
         ctx = get_forward_context()
         ctx.backend.store_kvcache(k, v, self.kv_cache, ctx.meta.slot_mapping)
-        return ctx.backend.forward(q, k, v, self.kv_cache, ctx.meta, self.scale)
+        return ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
