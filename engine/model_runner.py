@@ -12,12 +12,12 @@ from engine.attention import AttentionMetadata, forward_context, get_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.kv_cache import KVCachePool
-from engine.layers.sampler import Sampler, SamplingRow
+from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.stats import EngineStats
-from engine.utils import cdiv
+from engine.utils import cdiv, to_device
 
 
 @dataclass
@@ -107,10 +107,7 @@ class ModelRunner:
         )
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(data, dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> tuple[ModelInput, torch.Tensor]:
@@ -136,5 +133,16 @@ class ModelRunner:
         if not batch.sampled:  # only chunks of prompts this step: nothing to sample
             return [], [], []
         rows = [SamplingRow(s.params, s.seed, s.num_output_tokens) for s in batch.sampled]
-        tokens = self.sampler(logits, rows)
-        return batch.sampled, tokens, self.sampler.logprobs(logits, tokens, rows)
+        vocab = self.config.hf_config.vocab_size
+        sampled = self.sampler(logits, SamplingMetadata.from_rows(rows, vocab, self.device))
+        tokens = sampled.sampled_token_ids.tolist()
+        if sampled.logprobs is None:
+            return batch.sampled, tokens, [None] * len(tokens)
+        ids, values = sampled.logprobs.token_ids.tolist(), sampled.logprobs.logprobs.tolist()
+        logprobs = [
+            None
+            if (n := row.params.logprobs) is None
+            else dict(zip(ids[i][1 : 1 + n] + ids[i][:1], values[i][1 : 1 + n] + values[i][:1]))
+            for i, row in enumerate(rows)
+        ]
+        return batch.sampled, tokens, logprobs

@@ -1,8 +1,22 @@
-"""What the engine hands back for each request."""
+"""What each stage of a step hands on: the model runner's sampled tokens, and
+what the engine hands back for each request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the front end reads these outputs without importing torch
+    import torch
+
+
+@dataclass
+class LogprobsTensors:
+    """Per sampled row: column 0 is the chosen token, the rest the top tokens,
+    most likely first, as many as the row that asked most wanted."""
+
+    token_ids: torch.Tensor  # [rows, 1 + n] int64
+    logprobs: torch.Tensor  # [rows, 1 + n] float32
 
 
 @dataclass

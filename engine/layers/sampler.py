@@ -1,9 +1,17 @@
-"""Choosing the next token from logits: greedy, or sampled after temperature,
-top-k, top-p and min-p, with a random stream per request.
+"""Choosing the next token from logits, for the whole batch at once: greedy, or
+sampled after temperature, top-k, top-p and min-p, from a random stream per
+request.
+
+Every setting is a per-row tensor, so one set of tensor operations serves the
+batch: no loop over rows, and no wait for the GPU. The sampled ids stay on the
+device until something reads them.
 
 A request's random draws depend only on its seed and on how many tokens it has
 generated, never on which other requests share the batch or on whether it was
-preempted and recomputed. That is what makes seeded sampling reproducible.
+preempted and recomputed. Token ``step`` of a request seeded ``seed`` draws one
+uniform number per vocabulary entry from a hash of (seed, step, token id),
+computed with integer tensor ops; that is what makes seeded sampling
+reproducible.
 """
 
 from __future__ import annotations
@@ -12,9 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import LogprobsTensors
 from engine.sampling_params import SamplingParams
+from engine.utils import to_device
 
-_MASK64 = (1 << 63) - 1
+_MASK32 = 0xFFFFFFFF
+_MASK63 = (1 << 63) - 1
 
 
 @dataclass
@@ -24,58 +35,130 @@ class SamplingRow:
     step: int  # how many tokens this request has generated so far
 
 
-def request_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
-    """A counter-based stream: token ``step`` of a request seeded ``seed`` always
-    sees the same random numbers, whatever else runs in the batch."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 1) & _MASK64
-    return torch.Generator(device=device).manual_seed(mixed)
+@dataclass
+class SamplingMetadata:
+    """The settings of the rows that sample this step, as [rows] tensors, and
+    what the host knows about them, so that unused filters cost nothing."""
+
+    temperature: torch.Tensor  # float32; 1 for greedy rows, which take the argmax
+    top_k: torch.Tensor  # int64; the vocabulary size where off
+    top_p: torch.Tensor  # float32; 1 where off
+    min_p: torch.Tensor  # float32; 0 where off
+    seeds: torch.Tensor  # int64, below 2**63
+    steps: torch.Tensor  # int64
+    random_rows: torch.Tensor  # int64 indices of the rows that are not greedy
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    max_num_logprobs: int | None  # the most any row asked for; None if none asked
+
+    @classmethod
+    def from_rows(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
+        params = [r.params for r in rows]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(values, dtype, device)
+
+        return cls(
+            temperature=tensor([p.temperature or 1.0 for p in params], torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            seeds=tensor([r.seed & _MASK63 for r in rows], torch.int64),
+            steps=tensor([r.step for r in rows], torch.int64),
+            random_rows=tensor([i for i, p in enumerate(params) if not p.greedy], torch.int64),
+            use_top_k=any(k < vocab_size for k in top_k),
+            use_top_p=any(p.top_p < 1.0 for p in params),
+            use_min_p=any(p.min_p > 0.0 for p in params),
+            max_num_logprobs=max(asked) if asked else None,
+        )
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, for one row of logits."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the token that crosses
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] int64, on the logits' device
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """One token per row. Greedy rows take the argmax in one batched call;
-        the rest draw from their own stream with the exponential race:
-        argmax(p / E) with E ~ Exp(1) picks token i with probability p_i."""
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, row in enumerate(rows):
-            if row.params.greedy:
-                continue
-            probs = filter_logits(logits[i].float(), row.params).softmax(-1)
-            gen = request_generator(row.seed, row.step, logits.device)
-            race = torch.empty_like(probs).exponential_(generator=gen)
-            tokens[i] = int((probs / race).argmax())
-        return tokens
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """One token per row. Every row takes the argmax of its logits; rows that
+        sample replace it by the exponential race: argmax(p / E) with
+        E ~ Exp(1) independent per token picks token i with probability p_i."""
+        tokens = logits.argmax(dim=-1)
+        if len(md.random_rows):
+            rows = md.random_rows
+            probs = apply_filters(logits[rows], md, rows).softmax(dim=-1)
+            race = exponential_noise(md.seeds[rows], md.steps[rows], logits.shape[-1])
+            tokens[rows] = probs.div_(race).argmax(dim=-1)
+        return SamplerOutput(tokens, compute_logprobs(logits, tokens, md.max_num_logprobs))
 
-    @staticmethod
-    def logprobs(logits: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> list:
-        """For rows that asked: the chosen token's logprob and the top-n, from
-        the model's raw distribution (before temperature and filters)."""
-        result: list[dict[int, float] | None] = [None] * len(rows)
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if not wanted:
-            return result
-        logp = torch.log_softmax(logits[wanted].float(), dim=-1)
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            top = torch.topk(logp[j], n) if n else None
-            entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
-            entry[tokens[i]] = float(logp[j, tokens[i]])
-            result[i] = entry
-        return result
+
+def apply_filters(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, on ``rows`` of the batch."""
+    logits = logits / md.temperature[rows, None]
+    if md.use_top_k or md.use_top_p:  # one sort serves both
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        if md.use_top_k:  # keep every token tied with the k-th
+            kth = sorted_logits.gather(1, md.top_k[rows, None] - 1)
+            sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+        if md.use_top_p:  # keep the smallest head whose mass reaches top_p
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1).sub_(probs)
+            top_p = md.top_p[rows, None]
+            sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if md.use_min_p:
+        probs = logits.softmax(dim=-1)
+        floor = md.min_p[rows, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors that
+    hold values below 2**32. Both multipliers are below 2**31, so no product
+    overflows int64, and every shift sees a non-negative number."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+_token_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] Exp(1) draws, each a function of (seed, step, token id) alone."""
+    key = mix32(mix32(seeds & _MASK32) ^ (seeds >> 32))  # both halves of the seed
+    key = mix32(key ^ (steps & _MASK32))
+    cache_key = (vocab_size, seeds.device)
+    if cache_key not in _token_hashes:
+        ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+        _token_hashes[cache_key] = mix32(ids ^ 0x5BD1E995)
+    bits = mix32(key[:, None] ^ _token_hashes[cache_key][None, :])
+    # The top 24 bits, centred in their interval: uniform on (0, 1), never 0 or 1.
+    uniform = (bits >> 8).float().mul_(2.0**-24).add_(2.0**-25)
+    return uniform.log_().neg_()
+
+
+def compute_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, max_num_logprobs: int | None
+) -> LogprobsTensors | None:
+    """For every row: the chosen token's logprob, then the top ``max_num_logprobs``,
+    from the model's raw distribution (before temperature and filters). Each
+    request keeps as many of the top ones as it asked for."""
+    if max_num_logprobs is None:
+        return None
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(max_num_logprobs, dim=-1)
+    chosen = logp.gather(1, tokens[:, None])
+    return LogprobsTensors(
+        token_ids=torch.cat([tokens[:, None], top.indices], dim=1),
+        logprobs=torch.cat([chosen, top.values], dim=1),
+    )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers.sampler import Sampler, SamplingRow, filter_logits
+from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow, apply_filters
 from tests.engine.conftest import random_prompts
 
 PROMPTS = random_prompts(8, seed=21)
@@ -96,9 +96,17 @@ def reference_probs(logits: list[float], p: SamplingParams) -> list[float]:
     return probs()
 
 
+def metadata(params: list[SamplingParams], vocab: int, seeds=None, steps=None) -> SamplingMetadata:
+    seeds = seeds or [0] * len(params)
+    steps = steps or [0] * len(params)
+    rows = [SamplingRow(p, seed, step) for p, seed, step in zip(params, seeds, steps)]
+    return SamplingMetadata.from_rows(rows, vocab_size=vocab, device=torch.device("cpu"))
+
+
 def engine_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution the engine's sampler draws each row from."""
-    return torch.stack([filter_logits(row, p).softmax(-1) for row, p in zip(logits, params)])
+    rows = torch.arange(len(params))
+    return apply_filters(logits, metadata(params, logits.shape[-1]), rows).softmax(-1)
 
 
 FILTERS = [
@@ -164,8 +172,9 @@ def test_seeded_draws_follow_the_filtered_distribution(params) -> None:
 
 def sample_many(row: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
     """n draws from one row of logits: n seeded requests, at assorted steps."""
-    rows = [SamplingRow(params, seed, step=seed % 5) for seed in range(n)]
-    return Sampler()(row.expand(n, -1).contiguous(), rows)
+    steps = [seed % 5 for seed in range(n)]
+    md = metadata([params] * n, len(row), seeds=list(range(n)), steps=steps)
+    return Sampler()(row.expand(n, -1).contiguous(), md).sampled_token_ids.tolist()
 
 
 # --- Logprobs, against transformers -----------------------------------------
@@ -213,3 +222,66 @@ def test_logprobs_read_their_own_rows_in_a_mixed_batch(llm, qwen3) -> None:
             assert out.logprobs is None
         else:
             assert_logprobs_match(out, n, hf_logprobs(qwen3[1], prompt, out.token_ids))
+
+
+# --- The batched sampler itself ---------------------------------------------
+
+
+def test_a_seeded_row_draws_the_same_alone_or_in_any_batch() -> None:
+    """The noise, and so the token, of a (seed, step) row does not depend on the
+    rows beside it, on its position, or on whether the others are greedy."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(7, 300, generator=g)
+    hot = SamplingParams(temperature=1.0, top_p=0.95)
+    params = [hot, SamplingParams(temperature=0), hot, hot, SamplingParams(temperature=0.5)] + [
+        hot
+    ] * 2
+    seeds, steps = [11, 0, 12, 13, 14, 15, 16], [3, 0, 1, 4, 1, 5, 9]
+    batch = Sampler()(logits, metadata(params, 300, seeds, steps)).sampled_token_ids
+    for i in range(7):
+        alone = Sampler()(
+            logits[i : i + 1], metadata(params[i : i + 1], 300, seeds[i : i + 1], steps[i : i + 1])
+        )
+        if params[i].greedy:
+            assert alone.sampled_token_ids.item() == logits[i].argmax().item() == batch[i]
+        assert alone.sampled_token_ids.item() == batch[i]
+    shuffled = [6, 4, 2, 0, 1, 3, 5]
+    again = Sampler()(
+        logits[shuffled],
+        metadata(
+            [params[i] for i in shuffled],
+            300,
+            [seeds[i] for i in shuffled],
+            [steps[i] for i in shuffled],
+        ),
+    ).sampled_token_ids
+    assert again.tolist() == batch[shuffled].tolist()
+
+
+def test_the_sampler_runs_the_same_operations_for_any_batch_size() -> None:
+    """No per-row Python loop: the tensor operations the sampler dispatches are
+    the same in number and kind for 4 rows as for 64."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def ops(rows: int) -> list[str]:
+        params = [
+            SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, logprobs=2),
+            SamplingParams(temperature=0, logprobs=1),
+        ] * (rows // 2)
+        md = metadata(params, 100, seeds=list(range(rows)), steps=list(range(rows)))
+        logits = torch.randn(rows, 100)
+        with Recorder() as recorder:
+            Sampler()(logits, md)
+        return recorder.ops
+
+    ops(4)  # fill the sampler's per-vocabulary cache of token hashes first
+    assert ops(4) == ops(64)
