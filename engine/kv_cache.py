@@ -77,6 +77,15 @@ def store_kvcache(
     cache.v.view(-1, *cache.v.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What the engine needs to know of a pool: the blocks the block manager hands out."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
 class KVCachePool:
     """Every attention layer's cache, sized together: each layer gets the same
     number of blocks, so a block id means the same tokens in every layer."""
@@ -91,6 +100,9 @@ class KVCachePool:
         self.max_model_len = self._max_model_len()
         for layer, spec in zip(layers, self.specs):
             layer.kv_cache = spec.allocate(self.num_blocks, self.block_size, device)
+
+    def kv_cache_config(self) -> KVCacheConfig:
+        return KVCacheConfig(self.num_blocks, self.block_size, self.max_model_len)
 
     def block_bytes(self) -> int:
         """Bytes one block takes, summed over the layers."""

@@ -50,8 +50,8 @@ class LLM:
         engine = self.llm_engine
         # Check every request before queueing any, so a bad one loses nothing.
         seqs = [engine.make_sequence(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params)]
-        for seq in seqs:
-            engine.add_sequence(seq)
+        for seq, prompt in zip(seqs, prompts):
+            engine.add_sequence(seq, prompt)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             start, tokens = time.perf_counter(), 0

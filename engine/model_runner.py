@@ -1,5 +1,8 @@
 """The model runner: owns the model, the paged KV cache and the sampler, and
-turns the scheduler's decision into one forward pass over a flattened batch."""
+turns the scheduler's decision into one forward pass over a flattened batch.
+
+It reads only a SchedulerOutput, which is plain data, and its own state for
+each request; it knows nothing of the scheduler or its sequences."""
 
 from __future__ import annotations
 
@@ -11,11 +14,12 @@ import torch
 from engine.attention import AttentionMetadata, forward_context, get_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
-from engine.kv_cache import KVCachePool
+from engine.kv_cache import KVCacheConfig, KVCachePool
 from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from engine.loader import load_model
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from engine.outputs import ModelRunnerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SchedulerOutput
 from engine.stats import EngineStats
 from engine.utils import cdiv, to_device
 
@@ -26,7 +30,16 @@ class ModelInput:
     positions: torch.Tensor  # [tokens]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to turn into logits
-    sampled: list[Sequence]  # the sequences those rows belong to
+    req_ids: list[str]  # the requests those rows belong to
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner keeps for a request between its steps."""
+
+    sampling_params: SamplingParams
+    seed: int
+    num_sampled: int = 0  # tokens sampled so far: the position in its random stream
 
 
 class ModelRunner:
@@ -38,8 +51,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, config.device, config.block_size)
         self.model = load_model(config)
         self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
-        self.num_kv_blocks = self.kv_cache.num_blocks
         self.max_model_len = self.kv_cache.max_model_len
         self.graphs: CUDAGraphRunner | None = None
         if (
@@ -58,8 +71,11 @@ class ModelRunner:
                 self.device,
             )
 
+    def kv_cache_config(self) -> KVCacheConfig:
+        return self.kv_cache.kv_cache_config()
+
     def build_model_input(self, out: SchedulerOutput) -> ModelInput:
-        """Flatten the scheduled sequences into one batch, decodes first.
+        """Flatten the scheduled requests into one batch, decodes first.
 
         For every new token: its id, its position in its own sequence, and the
         cache slot where its key and value will be written. For every sequence:
@@ -71,20 +87,20 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_lens, context_lens, logits_indices, sampled = [], [], [], []
+        query_lens, context_lens, logits_indices, req_ids = [], [], [], []
         for item in items:
-            seq, start = item.seq, item.seq.num_computed_tokens
+            start = item.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids += seq.token_ids[start:end]
+            input_ids += item.token_ids
             positions += range(start, end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += [item.block_table[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             if item.samples:  # the last token's hidden state gives the next token
                 logits_indices.append(len(input_ids) - 1)
-                sampled.append(seq)
-        width = max(len(item.seq.block_table) for item in items)
-        tables = [it.seq.block_table + [-1] * (width - len(it.seq.block_table)) for it in items]
+                req_ids.append(item.req_id)
+        width = max(len(item.block_table) for item in items)
+        tables = [it.block_table + [-1] * (width - len(it.block_table)) for it in items]
         # --8<-- [end:flatten_batch]
         cu_seqlens = [0]
         for n in query_lens:
@@ -103,7 +119,7 @@ class ModelRunner:
             self._tensor(positions, torch.int64),
             meta,
             self._tensor(logits_indices, torch.int64),
-            sampled,
+            req_ids,
         )
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
@@ -126,23 +142,22 @@ class ModelRunner:
         return batch, logits
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int], list]:
-        """Run one step. Returns the sequences that sampled, their new tokens,
-        and, for requests that asked, the logprobs of those tokens."""
-        batch, logits = self.forward(out)
-        if not batch.sampled:  # only chunks of prompts this step: nothing to sample
-            return [], [], []
-        rows = [SamplingRow(s.params, s.seed, s.num_output_tokens) for s in batch.sampled]
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the forward pass, then a token for every request whose
+        new tokens reach its end. The tokens stay on the device."""
+        self._update_states(scheduler_output)
+        batch, logits = self.forward(scheduler_output)
+        states = [self.requests[req_id] for req_id in batch.req_ids]
+        rows = [SamplingRow(s.sampling_params, s.seed, s.num_sampled) for s in states]
+        for state in states:
+            state.num_sampled += 1
         vocab = self.config.hf_config.vocab_size
         sampled = self.sampler(logits, SamplingMetadata.from_rows(rows, vocab, self.device))
-        tokens = sampled.sampled_token_ids.tolist()
-        if sampled.logprobs is None:
-            return batch.sampled, tokens, [None] * len(tokens)
-        ids, values = sampled.logprobs.token_ids.tolist(), sampled.logprobs.logprobs.tolist()
-        logprobs = [
-            None
-            if (n := row.params.logprobs) is None
-            else dict(zip(ids[i][1 : 1 + n] + ids[i][:1], values[i][1 : 1 + n] + values[i][:1]))
-            for i, row in enumerate(rows)
-        ]
-        return batch.sampled, tokens, logprobs
+        return ModelRunnerOutput(batch.req_ids, sampled.sampled_token_ids, sampled.logprobs)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget the requests that ended; keep what new ones need for sampling."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)  # an abort may come before its first step
+        for new in scheduler_output.new_requests:
+            self.requests[new.req_id] = CachedRequestState(new.sampling_params, new.seed)

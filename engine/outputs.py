@@ -1,5 +1,7 @@
-"""What each stage of a step hands on: the model runner's sampled tokens, and
-what the engine hands back for each request."""
+"""What each stage of a step hands on: the model runner's sampled tokens to the
+scheduler (ModelRunnerOutput), the engine core's news of each request to the
+front end (EngineCoreOutput), and the front end's answer to the caller
+(RequestOutput)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,36 @@ class LogprobsTensors:
 
 
 @dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced, for the scheduler to fold in."""
+
+    req_ids: list[str]  # the requests that sampled this step, in row order
+    sampled_token_ids: torch.Tensor  # [rows] int64, still on the device
+    logprobs: LogprobsTensors | None = None  # None when no request asked
+    # Speculative decoding (Chapter 5) adds how many draft tokens each row accepted.
+
+    def logprobs_lists(self) -> list[tuple[list[int], list[float]] | None]:
+        """Each row's logprobs as host lists: (token ids, logprobs), or None."""
+        if self.logprobs is None:
+            return [None] * len(self.req_ids)
+        return list(zip(self.logprobs.token_ids.tolist(), self.logprobs.logprobs.tolist()))
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step, as the engine core hands it to the front
+    end: plain data, so that the two can live in different processes."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token, if the request asked: token ids and their logprobs, the
+    # chosen token first, then the top ones.
+    new_logprobs: list[tuple[list[int], list[float]]] | None = None
+    finish_reason: str | None = None  # set by the core: EOS, stop tokens, lengths, abort
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
+@dataclass
 class RequestOutput:
     """A request's state after a step (``finished`` False) or at its end.
 
@@ -36,5 +68,5 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
-    num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished

@@ -29,10 +29,11 @@ def test_buckets_cover_every_batch_size() -> None:
 @needs_cuda
 def test_cuda_defaults_to_triton_and_graphs(qwen3) -> None:
     llm = LLM(qwen3[0], dtype="float32")
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.executor.model_runner
     assert runner.backend.name == "triton"
     assert runner.graphs is not None and runner.graphs.buckets[-1] == 256
-    assert LLM(qwen3[0], dtype="float32", enforce_eager=True).llm_engine.model_runner.graphs is None
+    eager = LLM(qwen3[0], dtype="float32", enforce_eager=True).llm_engine
+    assert eager.executor.model_runner.graphs is None
 
 
 @pytest.mark.gpu

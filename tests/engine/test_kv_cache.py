@@ -55,7 +55,7 @@ def test_the_pool_sizes_and_allocates_any_layer_format(qwen3) -> None:
 
 def test_unsized_pool_fills_what_max_num_seqs_can_use(qwen3) -> None:
     llm = LLM(qwen3[0], max_num_seqs=3, block_size=16)
-    pool = llm.llm_engine.model_runner.kv_cache
+    pool = llm.llm_engine.executor.model_runner.kv_cache
     assert pool.num_blocks == 3 * cdiv(512, 16)  # RAM is not the limit for this tiny model
     assert pool.max_model_len == 512
 

@@ -3,7 +3,10 @@ the newest sequence is preempted first, and nothing is ever dropped."""
 
 from __future__ import annotations
 
+import torch
+
 from engine.block_manager import BlockManager
+from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -15,13 +18,12 @@ def make(num_blocks: int, budget: int, block_size: int = 4) -> Scheduler:
 
 
 def run_step(sched: Scheduler, new_token: int = 7) -> list[tuple[str, int]]:
-    """One step as the engine does it, sampling a fixed token."""
+    """One step as the engine does it, with a model that always samples ``new_token``."""
     out = sched.schedule()
-    sched.advance(out)
-    for item in out.scheduled:
-        if item.seq.num_computed_tokens == item.seq.num_tokens:
-            item.seq.token_ids.append(new_token)
-    return [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled]
+    sampled = [item.req_id for item in out.scheduled if item.samples]
+    tokens = torch.full((len(sampled),), new_token)
+    sched.update_from_output(out, ModelRunnerOutput(sampled, tokens))
+    return [(item.req_id, item.num_new_tokens) for item in out.scheduled]
 
 
 def test_long_prompt_is_chunked_alongside_decodes() -> None:
@@ -57,7 +59,7 @@ def test_newest_is_preempted_first_and_resumes_later() -> None:
     for _ in range(40):
         for s in list(sched.running):
             if s.num_tokens >= 14:
-                sched.finish(s, "length")
+                sched.finish_requests([s.request_id], "length")
         if not sched.has_unfinished():
             break
         run_step(sched)
@@ -78,5 +80,5 @@ def test_a_preempted_sequence_goes_back_in_front_of_those_waiting() -> None:
     assert run_step(sched) == [("s0", 1)]
     assert list(sched.waiting) == [s1, s2]
     # s0 finishes; s1 is admitted before s2.
-    sched.finish(s0, "length")
+    sched.finish_requests(["s0"], "length")
     assert [name for name, _ in run_step(sched)][0] == "s1"

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import detokenize_incrementally, start_detokenizer
-from engine.sequence import Sequence
+from engine.detokenizer import IncrementalDetokenizer
 from tests.engine.conftest import EOS, random_prompts
 
 
@@ -33,12 +32,12 @@ def test_incremental_detokenizer_on_multibyte_characters(llm) -> None:
     tok = llm.tokenizer
     text = "naïve café — 東京 😀 done"
     ids = tok.encode(text).ids
-    seq = Sequence("x", ids[:1], greedy())
-    start_detokenizer(seq)
+    detok = IncrementalDetokenizer(tok, ids[:1], stop=[])
     pieces = []
     for t in ids[1:]:
-        seq.token_ids.append(t)
-        piece = detokenize_incrementally(tok, seq)
+        before = detok.text
+        detok.update([t], finished=False)
+        piece = detok.text[len(before) :]
         assert "\ufffd" not in piece
         pieces.append(piece)
     assert tok.decode(ids[:1]) + "".join(pieces) == text
