@@ -119,15 +119,18 @@ def apply_filters(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor
     return logits
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors that
-    hold values below 2**32. Both multipliers are below 2**31, so no product
+def mix32_(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds), in place, on an int64
+    tensor of values below 2**32. Both multipliers are below 2**31, so no product
     overflows int64, and every shift sees a non-negative number."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _MASK32
-    return x ^ (x >> 15)
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x &= _MASK32
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x &= _MASK32
+    x ^= x >> 15
+    return x
 
 
 _token_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -135,15 +138,16 @@ _token_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, vocab] Exp(1) draws, each a function of (seed, step, token id) alone."""
-    key = mix32(mix32(seeds & _MASK32) ^ (seeds >> 32))  # both halves of the seed
-    key = mix32(key ^ (steps & _MASK32))
+    key = mix32_(mix32_(seeds & _MASK32) ^ (seeds >> 32))  # both halves of the seed
+    key = mix32_(key ^ (steps & _MASK32))
     cache_key = (vocab_size, seeds.device)
     if cache_key not in _token_hashes:
         ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-        _token_hashes[cache_key] = mix32(ids ^ 0x5BD1E995)
-    bits = mix32(key[:, None] ^ _token_hashes[cache_key][None, :])
+        _token_hashes[cache_key] = mix32_(ids ^ 0x5BD1E995)
+    bits = mix32_(key[:, None] ^ _token_hashes[cache_key][None, :])
     # The top 24 bits, centred in their interval: uniform on (0, 1), never 0 or 1.
-    uniform = (bits >> 8).float().mul_(2.0**-24).add_(2.0**-25)
+    bits >>= 8
+    uniform = bits.float().mul_(2.0**-24).add_(2.0**-25)
     return uniform.log_().neg_()
 
 
