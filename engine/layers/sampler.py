@@ -36,46 +36,55 @@ class SamplingRow:
 
 
 @dataclass
-class SamplingMetadata:
-    """The settings of the rows that sample this step, as [rows] tensors, and
-    what the host knows about them, so that unused filters cost nothing."""
+class RandomRows:
+    """The rows that draw rather than take the argmax: their indices in the batch,
+    their settings as tensors, and which filters any of them uses, known on the
+    host so that unused filters cost nothing."""
 
-    temperature: torch.Tensor  # float32; 1 for greedy rows, which take the argmax
+    rows: torch.Tensor  # int64 indices into the batch
+    temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int64; the vocabulary size where off
     top_p: torch.Tensor  # float32; 1 where off
     min_p: torch.Tensor  # float32; 0 where off
     seeds: torch.Tensor  # int64, below 2**63
     steps: torch.Tensor  # int64
-    random_rows: torch.Tensor  # int64 indices of the rows that are not greedy
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+
+
+@dataclass
+class SamplingMetadata:
+    random: RandomRows | None  # None when every row is greedy
     max_num_logprobs: int | None  # the most any row asked for; None if none asked
 
     @classmethod
     def from_rows(
         cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
     ) -> SamplingMetadata:
-        params = [r.params for r in rows]
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        drawn = [(i, r) for i, r in enumerate(rows) if not r.params.greedy]
+        if not drawn:
+            return cls(None, max(asked) if asked else None)
+        params = [r.params for _, r in drawn]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        asked = [p.logprobs for p in params if p.logprobs is not None]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, device)
 
-        return cls(
-            temperature=tensor([p.temperature or 1.0 for p in params], torch.float32),
+        random = RandomRows(
+            rows=tensor([i for i, _ in drawn], torch.int64),
+            temperature=tensor([p.temperature for p in params], torch.float32),
             top_k=tensor(top_k, torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([r.seed & _MASK63 for r in rows], torch.int64),
-            steps=tensor([r.step for r in rows], torch.int64),
-            random_rows=tensor([i for i, p in enumerate(params) if not p.greedy], torch.int64),
+            seeds=tensor([r.seed & _MASK63 for _, r in drawn], torch.int64),
+            steps=tensor([r.step for _, r in drawn], torch.int64),
             use_top_k=any(k < vocab_size for k in top_k),
             use_top_p=any(p.top_p < 1.0 for p in params),
             use_min_p=any(p.min_p > 0.0 for p in params),
-            max_num_logprobs=max(asked) if asked else None,
         )
+        return cls(random, max(asked) if asked else None)
 
 
 @dataclass
@@ -87,34 +96,33 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """One token per row. Every row takes the argmax of its logits; rows that
-        sample replace it by the exponential race: argmax(p / E) with
+        draw replace it by the exponential race: argmax(p / E) with
         E ~ Exp(1) independent per token picks token i with probability p_i."""
         tokens = logits.argmax(dim=-1)
-        if len(md.random_rows):
-            rows = md.random_rows
-            probs = apply_filters(logits[rows], md, rows).softmax(dim=-1)
-            race = exponential_noise(md.seeds[rows], md.steps[rows], logits.shape[-1])
-            tokens[rows] = probs.div_(race).argmax(dim=-1)
+        if (r := md.random) is not None:
+            probs = apply_filters(logits[r.rows], r).softmax(dim=-1)
+            race = exponential_noise(r.seeds, r.steps, logits.shape[-1])
+            tokens[r.rows] = probs.div_(race).argmax(dim=-1)
         return SamplerOutput(tokens, compute_logprobs(logits, tokens, md.max_num_logprobs))
 
 
-def apply_filters(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, on ``rows`` of the batch."""
-    logits = logits / md.temperature[rows, None]
-    if md.use_top_k or md.use_top_p:  # one sort serves both
+def apply_filters(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, on the rows that draw."""
+    logits = logits / r.temperature[:, None]
+    if r.use_top_k or r.use_top_p:  # one sort serves both
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if md.use_top_k:  # keep every token tied with the k-th
-            kth = sorted_logits.gather(1, md.top_k[rows, None] - 1)
+        if r.use_top_k:  # keep every token tied with the k-th
+            kth = sorted_logits.gather(1, r.top_k[:, None] - 1)
             sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-        if md.use_top_p:  # keep the smallest head whose mass reaches top_p
+        if r.use_top_p:  # keep the smallest head whose mass reaches top_p
             probs = sorted_logits.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1).sub_(probs)
-            top_p = md.top_p[rows, None]
+            top_p = r.top_p[:, None]
             sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if md.use_min_p:
+    if r.use_min_p:
         probs = logits.softmax(dim=-1)
-        floor = md.min_p[rows, None] * probs.amax(dim=-1, keepdim=True)
+        floor = r.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 

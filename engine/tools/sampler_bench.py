@@ -78,11 +78,10 @@ def batched_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
 def check(logits: torch.Tensor, rows: list[SamplingRow]) -> str:
     """The two filter to the same probabilities, and agree where they are greedy."""
     md = SamplingMetadata.from_rows(rows, logits.shape[-1], logits.device)
-    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        new = apply_filters(logits[index], md, index).softmax(-1)
-        old = torch.stack([filter_logits(logits[i], rows[i].params) for i in random_rows])
+    if md.random is not None:
+        new = apply_filters(logits[md.random.rows], md.random).softmax(-1)
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        old = torch.stack([filter_logits(logits[i], rows[i].params) for i in drawn])
         err = (new - old.softmax(-1)).abs().max().item()
         if err > 1e-5:
             return f"FAILED: filtered probabilities differ by {err:.2e}"

@@ -105,8 +105,7 @@ def metadata(params: list[SamplingParams], vocab: int, seeds=None, steps=None) -
 
 def engine_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution the engine's sampler draws each row from."""
-    rows = torch.arange(len(params))
-    return apply_filters(logits, metadata(params, logits.shape[-1]), rows).softmax(-1)
+    return apply_filters(logits, metadata(params, logits.shape[-1]).random).softmax(-1)
 
 
 FILTERS = [
