@@ -28,7 +28,7 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the new tokens, whose keys and values this step computes
     num_computed_tokens: int  # tokens already in the cache: token_ids[0] sits at this position
-    block_table: list[int]  # logical block -> physical block, covering the new tokens
+    block_table: list[int]  # logical -> physical block; the scheduler's own list, read this step
     samples: bool  # does this step reach the request's last token, so that it samples after it?
 
     @property
