@@ -48,6 +48,7 @@ class RandomRows:
     min_p: torch.Tensor  # float32; 0 where off
     seeds: torch.Tensor  # int64, below 2**63
     steps: torch.Tensor  # int64
+    max_top_k: int  # the candidates top-k and top-p need: the largest k, or all
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
@@ -80,6 +81,7 @@ class SamplingMetadata:
             min_p=tensor([p.min_p for p in params], torch.float32),
             seeds=tensor([r.seed & _MASK63 for _, r in drawn], torch.int64),
             steps=tensor([r.step for _, r in drawn], torch.int64),
+            max_top_k=max(top_k),
             use_top_k=any(k < vocab_size for k in top_k),
             use_top_p=any(p.top_p < 1.0 for p in params),
             use_min_p=any(p.min_p > 0.0 for p in params),
@@ -95,36 +97,47 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """One token per row. Every row takes the argmax of its logits; rows that
-        draw replace it by the exponential race: argmax(p / E) with
-        E ~ Exp(1) independent per token picks token i with probability p_i."""
+        """One token per row: the argmax, or, for the rows that draw, a token from
+        their filtered distribution."""
         tokens = logits.argmax(dim=-1)
         if (r := md.random) is not None:
-            probs = apply_filters(logits[r.rows], r).softmax(dim=-1)
-            race = exponential_noise(r.seeds, r.steps, logits.shape[-1])
-            tokens[r.rows] = probs.div_(race).argmax(dim=-1)
+            tokens[r.rows] = draw(logits[r.rows], r)
         return SamplerOutput(tokens, compute_logprobs(logits, tokens, md.max_num_logprobs))
 
 
-def apply_filters(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, on the rows that draw."""
+def apply_filters(logits: torch.Tensor, r: RandomRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, then top-k, top-p and min-p, on the rows that draw.
+
+    Top-k and top-p need the tokens in order of likelihood, so with either one
+    the result keeps only the candidates, most likely first, with the token id
+    of each column; otherwise it keeps every token, in id order (ids None).
+    """
     logits = logits / r.temperature[:, None]
-    if r.use_top_k or r.use_top_p:  # one sort serves both
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if r.use_top_k:  # keep every token tied with the k-th
-            kth = sorted_logits.gather(1, r.top_k[:, None] - 1)
-            sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-        if r.use_top_p:  # keep the smallest head whose mass reaches top_p
-            probs = sorted_logits.softmax(dim=-1)
+    ids = None
+    if r.use_top_k or r.use_top_p:  # one partial sort serves both
+        logits, ids = logits.topk(r.max_top_k, dim=-1)
+        if r.use_top_k:  # each row's k most likely tokens
+            column = torch.arange(r.max_top_k, device=logits.device)
+            logits = logits.masked_fill(column >= r.top_k[:, None], float("-inf"))
+        if r.use_top_p:  # the smallest head whose mass reaches top_p
+            probs = logits.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1).sub_(probs)
             top_p = r.top_p[:, None]
-            sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+            logits = logits.masked_fill((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
     if r.use_min_p:
         probs = logits.softmax(dim=-1)
         floor = r.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
-    return logits
+    return logits, ids
+
+
+def draw(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
+    """The exponential race: argmax(p / E), with E ~ Exp(1) drawn independently
+    for every token, picks token i with probability p_i."""
+    logits, ids = apply_filters(logits, r)
+    race = exponential_noise(r.seeds, r.steps, ids, logits.shape[-1])
+    choice = logits.softmax(dim=-1).div_(race).argmax(dim=-1)
+    return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
 
 def mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -141,18 +154,27 @@ def mix32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-_token_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
+_vocab_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] Exp(1) draws, each a function of (seed, step, token id) alone."""
+def token_hashes(ids: torch.Tensor | None, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A hash of each token id: of ``ids``, or of the whole vocabulary (kept)."""
+    if ids is not None:
+        return mix32_(ids ^ 0x5BD1E995)
+    if (vocab_size, device) not in _vocab_hashes:
+        every = torch.arange(vocab_size, dtype=torch.int64, device=device)
+        _vocab_hashes[vocab_size, device] = mix32_(every ^ 0x5BD1E995)[None, :]
+    return _vocab_hashes[vocab_size, device]
+
+
+def exponential_noise(
+    seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor:
+    """Exp(1) draws for the tokens ``ids`` ([rows, n]; None: the whole vocabulary),
+    each a function of (seed, step, token id) alone."""
     key = mix32_(mix32_(seeds & _MASK32) ^ (seeds >> 32))  # both halves of the seed
     key = mix32_(key ^ (steps & _MASK32))
-    cache_key = (vocab_size, seeds.device)
-    if cache_key not in _token_hashes:
-        ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-        _token_hashes[cache_key] = mix32_(ids ^ 0x5BD1E995)
-    bits = mix32_(key[:, None] ^ _token_hashes[cache_key][None, :])
+    bits = mix32_(key[:, None] ^ token_hashes(ids, vocab_size, seeds.device))
     # The top 24 bits, centred in their interval: uniform on (0, 1), never 0 or 1.
     bits >>= 8
     uniform = bits.float().mul_(2.0**-24).add_(2.0**-25)

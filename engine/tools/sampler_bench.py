@@ -79,7 +79,11 @@ def check(logits: torch.Tensor, rows: list[SamplingRow]) -> str:
     """The two filter to the same probabilities, and agree where they are greedy."""
     md = SamplingMetadata.from_rows(rows, logits.shape[-1], logits.device)
     if md.random is not None:
-        new = apply_filters(logits[md.random.rows], md.random).softmax(-1)
+        drawn_logits = logits[md.random.rows]
+        filtered, ids = apply_filters(drawn_logits, md.random)
+        new = filtered.softmax(-1)
+        if ids is not None:  # only the candidates, most likely first: put them back
+            new = torch.zeros_like(drawn_logits).scatter_(1, ids, new)
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         old = torch.stack([filter_logits(logits[i], rows[i].params) for i in drawn])
         err = (new - old.softmax(-1)).abs().max().item()

@@ -105,7 +105,9 @@ def metadata(params: list[SamplingParams], vocab: int, seeds=None, steps=None) -
 
 def engine_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution the engine's sampler draws each row from."""
-    return apply_filters(logits, metadata(params, logits.shape[-1]).random).softmax(-1)
+    filtered, ids = apply_filters(logits, metadata(params, logits.shape[-1]).random)
+    probs = filtered.softmax(-1)
+    return probs if ids is None else torch.zeros_like(logits).scatter_(1, ids, probs)
 
 
 FILTERS = [
