@@ -8,6 +8,8 @@ output processor turns each step's tokens into text for the callers.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import time
 from pathlib import Path
 
@@ -46,6 +48,13 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._num_added = 0
+        # What start-up built (torch, the model's modules, the block pool) lives as
+        # long as the engine: take it out of the garbage collector's full scans,
+        # which would otherwise walk all of it in the middle of some step. At exit
+        # it goes back, so that everything is finalized as usual.
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)
 
     @property
     def requests(self) -> dict[str, Sequence]:
