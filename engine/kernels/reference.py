@@ -14,8 +14,7 @@ def gather_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first context_len keys and values, [context_len, num_kv_heads, head_dim]."""
-    block_size = k_cache.shape[1]
-    blocks = block_table[: -(-context_len // block_size)].long()
+    blocks = block_table[block_table >= 0].long()  # every block it names; -1 pads the table
     k = k_cache[blocks].flatten(0, 1)[:context_len]
     v = v_cache[blocks].flatten(0, 1)[:context_len]
     return k.double(), v.double()
