@@ -115,6 +115,9 @@ class EngineConfig:
     # None: 0.9 of free GPU memory, or 0.2 of available RAM on CPU (see ModelRunner)
     kv_cache_memory_fraction: float | None = None
     enforce_eager: bool = False  # True: no CUDA graphs
+    # True: a request's logits are bitwise the same whatever else is in the batch,
+    # at some cost in speed (engine/batch_invariant.py).
+    batch_invariant: bool = False
     hf_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, forward_context, get_backend
+from engine.batch_invariant import use_fixed_row_tiles
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.kv_cache import KVCacheConfig, KVCachePool
@@ -48,8 +49,12 @@ class ModelRunner:
         self.stats = stats or EngineStats()
         self.device = torch.device(config.device)
         self.block_size = config.block_size
-        self.backend = get_backend(config.attention_backend, config.device, config.block_size)
+        self.backend = get_backend(
+            config.attention_backend, config.device, config.block_size, config.batch_invariant
+        )
         self.model = load_model(config)
+        if config.batch_invariant:
+            use_fixed_row_tiles(self.model)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)

@@ -74,7 +74,15 @@ class AttentionBackend(Protocol[M]):
         ...
 
 
-def get_backend(name: str, device: str, block_size: int) -> AttentionBackend[Any]:
+def get_backend(
+    name: str, device: str, block_size: int, batch_invariant: bool = False
+) -> AttentionBackend[Any]:
+    """``batch_invariant``: kernels whose results for a row do not depend on the
+    rest of the batch (see engine/batch_invariant.py)."""
+    if name == "torch" and batch_invariant:
+        from engine.attention.torch_split_kv import TorchSplitKVBackend
+
+        return TorchSplitKVBackend(block_size)
     if name == "torch":
         from engine.attention.torch_backend import TorchBackend
 
@@ -82,7 +90,7 @@ def get_backend(name: str, device: str, block_size: int) -> AttentionBackend[Any
     if name == "triton":
         from engine.attention.triton_backend import TritonBackend
 
-        return TritonBackend(device)
+        return TritonBackend(device, batch_invariant)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
 
 

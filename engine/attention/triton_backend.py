@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.batch_invariant import one_query_per_row
 from engine.kv_cache import PagedKV
 
 
@@ -38,18 +39,22 @@ class TritonAttentionMetadata:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, batch_invariant: bool = False) -> None:
         from engine.kernels import check_available
 
         check_available(device)  # a clear error, not a crash inside a kernel
         from engine import kernels
 
         self.kernels = kernels
+        self.batch_invariant = batch_invariant
 
     def build_metadata(self, meta: AttentionMetadata) -> TritonAttentionMetadata:
         """Views of the step's tensors, nothing computed: a CUDA graph captures
         them over its static buffers. Prompt chunks' queries start at row
-        num_decodes."""
+        num_decodes. Batch-invariant: every query goes to the decode kernel,
+        whose fixed KV split then serves prompt chunks and decodes alike."""
+        if self.batch_invariant:
+            meta = one_query_per_row(meta)
         d = meta.num_decodes
         prefill = None
         if d < len(meta.query_lens_cpu):

@@ -1,0 +1,88 @@
+"""Batch-invariant mode: a request's logits do not depend on what else is in the batch.
+
+Floating-point addition is not associative, so the bits of a sum depend on the
+order of its terms. A kernel that chooses its order from the batch's shape (a
+matrix product that switches algorithm with the number of rows, attention over
+a batch padded to its longest member) gives one request different bits in
+different company, and a near-tie between two tokens can then go either way.
+
+With ``LLM(..., batch_invariant=True)`` every reduction a row goes through has
+an order fixed by that row alone:
+
+* matrix products run on tiles of ``ROW_TILE`` rows, every tile a product of
+  the same shape, so each row meets the same kernel whatever the batch size
+  (`linear`);
+* RMSNorm and the sampler's softmaxes reduce along each row, as they always do;
+* attention treats every query token as a row of its own (`one_query_per_row`)
+  and reads its keys in splits of a fixed size, the same for a prompt chunk and
+  a decode, so a token's attention does not depend on how its prompt was cut
+  into chunks or found in the prefix cache.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.utils import cdiv
+
+ROW_TILE = 16  # rows per matrix-product call in batch-invariant mode
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x @ weight.T + bias, on tiles of ROW_TILE rows, the last one padded with zeros.
+
+    One batched product runs every tile as a product of its own, and every tile
+    has the same shape, so each row's sums run in the same order whichever tile
+    it lands in and wherever in the tile. (One product of all the rows at once
+    is free to choose its algorithm, and so its order, from the number of rows.)
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    n, tiles = rows.shape[0], cdiv(rows.shape[0], ROW_TILE)
+    rows = F.pad(rows, (0, 0, 0, tiles * ROW_TILE - n)).view(tiles, ROW_TILE, x.shape[-1])
+    out = torch.bmm(rows, weight.T.expand(tiles, *weight.T.shape)).flatten(0, 1)[:n]
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def use_fixed_row_tiles(model: nn.Module) -> None:
+    """From now on every ``nn.Linear`` in ``model`` computes through `linear`."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = partial(_tiled_forward, module)
+
+
+def _tiled_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, module.weight, module.bias)
+
+
+def one_query_per_row(meta: AttentionMetadata) -> AttentionMetadata:
+    """The step's attention as one-token decodes: every query token becomes a row
+    with its sequence's block table and a context that ends at its own position.
+
+    A prompt chunk's token at position p then attends over keys 0..p exactly as
+    a decode at position p would, through the same kernel, whatever chunk or
+    batch it came in. Causality is the context length: the step's keys are
+    already in the cache, and each row stops at its own.
+    """
+    contexts = [
+        ctx - n + 1 + j
+        for ctx, n in zip(meta.context_lens_cpu, meta.query_lens_cpu)
+        for j in range(n)
+    ]
+    repeats = torch.tensor(meta.query_lens_cpu, device=meta.block_tables.device)
+    tables = meta.block_tables.repeat_interleave(repeats, dim=0, output_size=len(contexts))
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        block_tables=tables,
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=tables.device),
+        cu_seqlens_q=torch.arange(len(contexts) + 1, dtype=torch.int32, device=tables.device),
+        num_decodes=len(contexts),
+        context_lens_cpu=contexts,
+        query_lens_cpu=[1] * len(contexts),
+    )
