@@ -55,9 +55,19 @@ class RandomRows:
 
 
 @dataclass
+class GrammarMask:
+    """The tokens a grammar allows in some rows: bit j of word w of a row of
+    ``bitmask`` allows token 32 * w + j (see engine/structured_output)."""
+
+    rows: torch.Tensor  # int64 indices into the batch
+    bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32
+
+
+@dataclass
 class SamplingMetadata:
     random: RandomRows | None  # None when every row is greedy
     max_num_logprobs: int | None  # the most any row asked for; None if none asked
+    grammar: GrammarMask | None = None  # None when no row samples under a grammar
 
     @classmethod
     def from_rows(
@@ -98,11 +108,25 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """One token per row: the argmax, or, for the rows that draw, a token from
-        their filtered distribution."""
-        tokens = logits.argmax(dim=-1)
+        their filtered distribution; only tokens a row's grammar allows. Logprobs
+        are the model's own, from the logits before any mask."""
+        allowed = logits if md.grammar is None else apply_grammar_bitmask(logits, md.grammar)
+        tokens = allowed.argmax(dim=-1)
         if (r := md.random) is not None:
-            tokens[r.rows] = draw(logits[r.rows], r)
+            tokens[r.rows] = draw(allowed[r.rows], r)
         return SamplerOutput(tokens, compute_logprobs(logits, tokens, md.max_num_logprobs))
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
+    """A copy of ``logits`` with every token its row's grammar forbids at -inf.
+    The mask covers the model's whole vocabulary, and the unpacking runs on the
+    device, without waiting for it."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    unpacked = (grammar.bitmask[:, :, None] >> bits) & 1  # [rows, words, 32]
+    allowed = unpacked.flatten(1)[:, : logits.shape[-1]].bool()
+    out = logits.clone()
+    out[grammar.rows] = logits[grammar.rows].masked_fill(~allowed, float("-inf"))
+    return out
 
 
 def apply_filters(logits: torch.Tensor, r: RandomRows) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -175,9 +199,11 @@ def exponential_noise(
     key = mix32_(mix32_(seeds & _MASK32) ^ (seeds >> 32))  # both halves of the seed
     key = mix32_(key ^ (steps & _MASK32))
     bits = mix32_(key[:, None] ^ token_hashes(ids, vocab_size, seeds.device))
-    # The top 24 bits, centred in their interval: uniform on (0, 1), never 0 or 1.
-    bits >>= 8
-    uniform = bits.float().mul_(2.0**-24).add_(2.0**-25)
+    # The top 23 bits, centred in their interval: uniform on (0, 1), never 0 or 1.
+    # (With 24, the largest value, 1 - 2**-25, rounds to 1.0 in float32: its
+    # draw would be Exp(0) = 0, and that token would win whatever its probability.)
+    bits >>= 9
+    uniform = bits.float().add_(0.5).mul_(2.0**-23)
     return uniform.log_().neg_()
 
 
