@@ -13,6 +13,7 @@ _LAZY = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
 }
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
@@ -31,4 +32,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]

@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.structured_output import StructuredOutputManager
 
 Prompt = str | list[int]
 
@@ -47,6 +48,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, config.hf_config.vocab_size, config.hf_config.eos_token_ids
+        )
         self._num_added = 0
         # What start-up built (torch, the model's modules, the block pool) lives as
         # long as the engine: take it out of the garbage collector's full scans,
@@ -90,7 +94,10 @@ class LLMEngine:
             if params.seed is not None
             else self.config.seed * 1_000_003 + self._num_added
         )
-        return Sequence(request_id, token_ids, params, seed=seed)
+        seq = Sequence(request_id, token_ids, params, seed=seed)
+        if params.structured_outputs is not None:  # ValueError if it does not compile
+            seq.structured_output = self.structured_output.request_for(params.structured_outputs)
+        return seq
 
     def add_sequence(self, seq: Sequence, prompt: Prompt | None = None) -> None:
         """Queue a checked request: its text side to the output processor, its
@@ -113,12 +120,13 @@ class LLMEngine:
         self.output_processor.abort_request(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, fold the new tokens into the requests,
-        and turn them into outputs."""
+        """Schedule (with grammar masks), run the model once, fold the new tokens
+        into the requests, and turn them into outputs."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             raise RuntimeError("requests are waiting but none could be scheduled")
+        self.structured_output.fill_bitmask(scheduler_output, self.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)

@@ -16,11 +16,11 @@ from engine.batch_invariant import use_fixed_row_tiles
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.kv_cache import KVCacheConfig, KVCachePool
-from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from engine.layers.sampler import GrammarMask, Sampler, SamplingMetadata, SamplingRow
 from engine.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import GrammarOutput, SchedulerOutput
 from engine.stats import EngineStats
 from engine.utils import cdiv, to_device
 
@@ -157,8 +157,20 @@ class ModelRunner:
         for state in states:
             state.num_sampled += 1
         vocab = self.config.hf_config.vocab_size
-        sampled = self.sampler(logits, SamplingMetadata.from_rows(rows, vocab, self.device))
+        md = SamplingMetadata.from_rows(rows, vocab, self.device)
+        md.grammar = self._grammar_mask(scheduler_output.grammar, batch.req_ids)
+        sampled = self.sampler(logits, md)
         return ModelRunnerOutput(batch.req_ids, sampled.sampled_token_ids, sampled.logprobs)
+
+    def _grammar_mask(
+        self, grammar: GrammarOutput | None, req_ids: list[str]
+    ) -> GrammarMask | None:
+        """The step's grammar masks, on the device, with the rows they belong to."""
+        if grammar is None:
+            return None
+        row = {req_id: i for i, req_id in enumerate(req_ids)}
+        rows = self._tensor([row[req_id] for req_id in grammar.req_ids], torch.int64)
+        return GrammarMask(rows, grammar.bitmask.to(self.device, non_blocking=True))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Forget the requests that ended; keep what new ones need for sampling."""

@@ -6,6 +6,34 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, named as in vLLM: exactly one of a
+    JSON schema (a dict or its text), any JSON object, a regular expression, a
+    list of choices, or an EBNF grammar (xgrammar's dialect, rule ``root``).
+
+    The engine compiles it with xgrammar when the request is added; a spec that
+    does not compile is a ValueError there (engine/structured_output/).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace outside strings
+
+    def __post_init__(self) -> None:
+        kinds = [self.json, self.regex, self.choice, self.grammar, self.json_object or None]
+        if sum(k is not None for k in kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar "
+                "or json_object"
+            )
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling settings, with the same names and meanings as vLLM's.
 
@@ -24,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # how many top logprobs to return per generated token
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output follows
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -165,6 +165,8 @@ class Scheduler:
         ):
             seq = self.requests[req_id]
             seq.token_ids.append(token)
+            if seq.structured_output is not None:
+                seq.structured_output.accept(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
@@ -182,6 +184,8 @@ class Scheduler:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
+        if seq.structured_output is not None and seq.structured_output.is_terminated():
+            return "stop"  # the grammar is complete
         too_long = self.max_model_len is not None and seq.num_tokens >= self.max_model_len
         if seq.num_output_tokens >= p.max_tokens or too_long:
             return "length"

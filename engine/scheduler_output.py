@@ -8,8 +8,12 @@ Everything here is plain data, so that a model runner in another process
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -37,8 +41,17 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarOutput:
+    """The token masks of the step's rows that sample under a grammar."""
+
+    req_ids: list[str]  # row i of the bitmask belongs to req_ids[i]
+    bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32, on the host
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # ended since the last step
+    grammar: GrammarOutput | None = None  # None when no row samples under a grammar

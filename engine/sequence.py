@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from enum import Enum, auto
 from itertools import count
+from typing import TYPE_CHECKING
 
 from engine.outputs import EngineCoreEvent
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputRequest
 
 
 class SequenceStatus(Enum):
@@ -42,6 +46,7 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens found in the prefix cache at the last admission
         self.num_cached_prompt_tokens = 0  # ... and at the first, which the caller is told
         self.events: list[EngineCoreEvent] = []  # what the scheduler did, not yet reported
+        self.structured_output: StructuredOutputRequest | None = None  # its grammar's matcher
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,124 @@
+"""Compiling grammars, once per distinct spec, and filling a step's token masks."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection, Mapping
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.sampling_params import StructuredOutputsParams
+from engine.scheduler_output import GrammarOutput, SchedulerOutput
+from engine.structured_output.request import StructuredOutputRequest
+from engine.utils import cdiv
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from engine.sequence import Sequence
+
+# xgrammar's errors begin with a time and a C++ source location: keep the message.
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class StructuredOutputManager:
+    def __init__(
+        self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Collection[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's: its embedding rows, which the mask covers
+        self.eos_token_ids = list(eos_token_ids)
+        self.grammars: dict[tuple, Any] = {}  # spec -> compiled grammar
+        self._compiler: Any = None
+
+    def request_for(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """A fresh matcher for a new request; ValueError if the spec does not compile."""
+        return StructuredOutputRequest(self.compile(params))
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of ``params``, compiled on its first use only."""
+        kind, spec = _spec(params)
+        key = (kind, spec, params.disable_any_whitespace)
+        if key not in self.grammars:
+            try:
+                self.grammars[key] = self._compile(kind, spec, params.disable_any_whitespace)
+            except RuntimeError as e:
+                message = _LOCATION.sub("", str(e).strip().splitlines()[0])
+                raise ValueError(f"invalid {kind} for structured output: {message}") from None
+        return self.grammars[key]
+
+    def _compile(self, kind: str, spec: str, no_whitespace: bool) -> Any:
+        compiler = self.compiler()
+        if kind == "JSON schema":
+            return compiler.compile_json_schema(spec, any_whitespace=not no_whitespace)
+        if kind == "JSON object":
+            return compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            return compiler.compile_regex(spec)
+        return compiler.compile_grammar(spec)  # an EBNF grammar, or the choices as one
+
+    def compiler(self) -> Any:
+        """xgrammar's compiler over this model's vocabulary, made on first use."""
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model folder's tokenizer.json")
+            vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+            info = xgr.TokenizerInfo(
+                [token for token, _ in vocab],
+                vocab_type=xgr.VocabType.BYTE_LEVEL,
+                vocab_size=self.vocab_size,  # ids past the tokenizer's are never allowed
+                stop_token_ids=self.eos_token_ids,
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def fill_bitmask(
+        self, scheduler_output: SchedulerOutput, requests: Mapping[str, Sequence]
+    ) -> None:
+        """Set ``scheduler_output.grammar``: the tokens allowed to every row that
+        samples under a grammar this step, from every token it has so far. Bit j
+        of word w of a row allows token 32 * w + j."""
+        req_ids = self.requests_needing_tokens(scheduler_output, requests)
+        if not req_ids:
+            return
+        bitmask = torch.zeros((len(req_ids), cdiv(self.vocab_size, 32)), dtype=torch.int32)
+        for row, req_id in enumerate(req_ids):
+            seq = requests[req_id]
+            seq.structured_output.catch_up(seq.output_token_ids)
+            seq.structured_output.fill_bitmask(bitmask, row)
+        scheduler_output.grammar = GrammarOutput(req_ids, bitmask)
+
+    @staticmethod
+    def requests_needing_tokens(
+        scheduler_output: SchedulerOutput, requests: Mapping[str, Sequence]
+    ) -> list[str]:
+        """The scheduled requests that sample under a grammar. Their masks need
+        their previous tokens: a sync point for an engine that runs ahead."""
+        return [
+            item.req_id
+            for item in scheduler_output.scheduled
+            if item.samples and requests[item.req_id].structured_output is not None
+        ]
+
+
+def _spec(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(what kind of constraint, its text), the text canonical so that equal
+    specs share one compiled grammar."""
+    if params.json is not None:
+        schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+        with suppress(ValueError):  # invalid JSON: xgrammar reports it
+            # A dict and its text are one spec, whatever the spacing or key order.
+            schema = json.dumps(json.loads(schema), sort_keys=True)
+        return "JSON schema", schema
+    if params.json_object:
+        return "JSON object", ""
+    if params.regex is not None:
+        return "regex", params.regex
+    if params.choice is not None:
+        return "choice", "root ::= " + " | ".join(json.dumps(c) for c in params.choice)
+    return "grammar", params.grammar
