@@ -86,12 +86,16 @@ class StructuredOutputManager:
         req_ids = self.requests_needing_tokens(scheduler_output, requests)
         if not req_ids:
             return
-        bitmask = torch.zeros((len(req_ids), cdiv(self.vocab_size, 32)), dtype=torch.int32)
+        bitmask = self.empty_bitmask(len(req_ids))
         for row, req_id in enumerate(req_ids):
             seq = requests[req_id]
             seq.structured_output.catch_up(seq.output_token_ids)
             seq.structured_output.fill_bitmask(bitmask, row)
         scheduler_output.grammar = GrammarOutput(req_ids, bitmask)
+
+    def empty_bitmask(self, rows: int) -> torch.Tensor:
+        """Room for ``rows`` masks over the model's vocabulary, nothing allowed yet."""
+        return torch.zeros((rows, cdiv(self.vocab_size, 32)), dtype=torch.int32)
 
     @staticmethod
     def requests_needing_tokens(

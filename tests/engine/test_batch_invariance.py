@@ -80,3 +80,62 @@ def test_triton_kernels_are_batch_invariant_under_the_interpreter(qwen3) -> None
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bitwise equal: 3" in proc.stdout
+
+
+def test_a_thousand_greedy_completions_in_random_company_agree(qwen3) -> None:
+    """1,000 copies of one prompt, each among random other requests (no prefix
+    cache, so each copy computes its own prompt): one distinct completion."""
+    import random
+
+    from engine import LLM, SamplingParams
+    from tests.engine.conftest import random_prompts
+
+    rng = random.Random(1000)
+    target = random_prompts(1, seed=100, low=6, high=7)[0]
+    fillers = random_prompts(50, seed=101, low=2, high=30)
+    prompts, params = [], []
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for _ in range(1000):
+        for _ in range(rng.randrange(3)):
+            prompts.append(rng.choice(fillers))
+            params.append(SamplingParams(temperature=0, max_tokens=rng.randint(1, 4)))
+        prompts.append(target)
+        params.append(greedy)
+    llm = LLM(qwen3[0], batch_invariant=True, enable_prefix_caching=False, max_num_seqs=48)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    completions = {tuple(o.token_ids) for o, p in zip(outs, prompts) if p == target}
+    assert len(completions) == 1
+
+
+def test_seeded_samples_are_identical_alone_in_a_crowd_preempted_and_chunked(qwen3) -> None:
+    """With the mode on, a seeded request's sampled tokens and their logprobs
+    are exactly those it draws alone: in a crowd of seeded and unseeded
+    requests, under preemption and recompute, and with its prompt chunked."""
+    from engine import LLM, SamplingParams
+    from tests.engine.conftest import random_prompts
+
+    target = random_prompts(1, seed=110, low=40, high=41)[0]
+    crowd = random_prompts(7, seed=111, low=3, high=50)
+    mine = SamplingParams(
+        temperature=1.0, top_p=0.9, seed=4321, max_tokens=16, logprobs=2, ignore_eos=True
+    )
+    theirs = [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=20, ignore_eos=True) for i in range(4)
+    ] + [SamplingParams(temperature=1.0, max_tokens=20)] * 3
+
+    results = {}
+    for name, kwargs, company in [
+        ("alone", {}, False),
+        ("crowd", {}, True),
+        ("preempted", dict(num_kv_blocks=10, block_size=8), True),
+        ("chunked", dict(max_num_batched_tokens=7), True),
+    ]:
+        llm = LLM(qwen3[0], batch_invariant=True, **kwargs)
+        prompts = (crowd + [target]) if company else [target]
+        params = (theirs + [mine]) if company else [mine]
+        out = llm.generate(prompts, params, use_tqdm=False)[-1]
+        results[name] = (out.token_ids, out.logprobs)
+        if name == "preempted":
+            assert llm.stats.preemptions > 0
+    for name, got in results.items():
+        assert got == results["alone"], name

@@ -27,6 +27,11 @@ SCHEMA = {
 }
 REGEX = r"(prefill|decode) [0-9]{1,3} tokens"
 CHOICES = ["scheduler", "block manager", "sampler"]
+GRAMMAR = """
+root ::= step (", " step)?
+step ::= ("prefill" | "decode") " " [1-9] [0-9]?
+"""  # EBNF: the same language as GRAMMAR_AS_REGEX
+GRAMMAR_AS_REGEX = r"(prefill|decode) [1-9][0-9]?(, (prefill|decode) [1-9][0-9]?)?"
 
 
 def follows_schema(text: str) -> bool:
@@ -68,9 +73,11 @@ def test_json_samples_validate_under_preemption(tight) -> None:
     assert len({o.text for o in outs}) > 50  # sampled, not one answer repeated
 
 
-def test_regex_and_choices_hold(tight) -> None:
+def test_regex_grammar_and_choices_hold(tight) -> None:
     for o in sampled(tight, 16, StructuredOutputsParams(regex=REGEX)):
         assert o.finish_reason == "stop" and re.fullmatch(REGEX, o.text), o.text
+    for o in sampled(tight, 16, StructuredOutputsParams(grammar=GRAMMAR)):
+        assert o.finish_reason == "stop" and re.fullmatch(GRAMMAR_AS_REGEX, o.text), o.text
     outs = sampled(tight, 16, StructuredOutputsParams(choice=CHOICES))
     assert all(o.text in CHOICES for o in outs)
 
