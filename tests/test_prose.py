@@ -34,6 +34,11 @@ CITED_NUMBERS: dict[tuple[str, str], str] = {
     (CH02, "16"): "the PagedAttention paper's block sizes (16 to 64) where swap and recompute "
     "performed alike, cited in that paragraph; and the fragmentation plot's alt text",
     (CH02, "64"): "the PagedAttention paper's block sizes (16 to 64), cited in that paragraph",
+    **{
+        ("ch07-correctness.md", n): "Thinking Machines' published figures (Defeating "
+        "Nondeterminism in LLM Inference, and its batch_invariant_ops README), cited there"
+        for n in ("1,000", "80", "26", "55", "42", "1.6", "2.1", "18")
+    },
     ("ch04-moe.md", "256"): "the plan for Experiment 12: DeepSeek-V3's 256 routed experts "
     "(n_routed_experts in its config.json), in the not-written-yet box",
 }
@@ -201,6 +206,8 @@ OUTSIDE_NAMES = {
     "dataclass",
     "python",
     "main",
+    "re",
+    "ValueError",
     # torch, triton and the libraries the engine loads with
     "torch",
     "triton",
@@ -254,6 +261,7 @@ OUTSIDE_NAMES = {
     "store_kvcache",
     "slot_mapping",
     "RadixAttention",
+    "VLLM_BATCH_INVARIANT",
 }
 OUTSIDE_PREFIXES = ("torch.", "F.", "nn.", "tl.", "triton.", "np.", "math.", "random.")
 FILE_SUFFIX = re.compile(r"\.(py|json|md|txt|out|svg|yml|yaml|toml|safetensors|cfg|ipynb)$")

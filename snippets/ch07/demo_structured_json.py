@@ -2,7 +2,7 @@
 
 The same seeded requests run twice: with the schema, and without it. The demo
 parses every output and checks it against the schema, and shows how many
-tokens the grammar allowed at each of the first steps of one request.
+tokens the grammar allowed at each step of one request.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ SCHEMA = {
 SEEDS = 8
 MAX_TOKENS = 48
 SHOWN_STEPS = 6
+WIDTH = 40  # characters of free text shown
 
 
 def valid(text: str) -> bool:
@@ -67,29 +68,32 @@ def main() -> dict:
         return llm.generate([PROMPT] * SEEDS, params, use_tqdm=False)
 
     constrained, free = run(spec), run(None)
-    print(f"{SEEDS} seeded samples of {PROMPT!r}, with the schema:")
+    print(f"{SEEDS} seeded samples of {PROMPT!r}, with the schema")
+    print("(parsed, and printed again without spaces):")
     for out in constrained[:3]:
-        print(f"  {out.text}")
+        print(f"  {json.dumps(json.loads(out.text), separators=(',', ':'))}")
     print("  ...")
     print("the same seeds without it:")
-    print(f"  {free[0].text[:50]!r}")
+    print(f"  {free[0].text[:WIDTH]!r}")
     ok = sum(valid(o.text) for o in constrained)
     ok_free = sum(valid(o.text) for o in free)
     print()
     print(f"valid against the schema: {ok} of {SEEDS} with it,")
     print(f"  {ok_free} of {SEEDS} without it")
-    counts = allowed_per_step(llm, spec, constrained[0].token_ids[:SHOWN_STEPS])
+    counts = allowed_per_step(llm, spec, constrained[0].token_ids)
     vocab = llm.llm_engine.structured_output.vocab_size
     print(f"tokens allowed (of {vocab}) at the first steps:")
-    print("  " + " ".join(map(str, counts)))
+    print("  " + " ".join(map(str, counts[:SHOWN_STEPS])))
+    print(f"  at most, inside a string: {max(counts)}")
     return {
         "seeds": SEEDS,
         "valid_constrained": ok,
         "valid_free": ok_free,
         "first_text": constrained[0].text,
         "vocab": vocab,
-        "allowed_first_steps": counts,
+        "allowed_first_steps": counts[:SHOWN_STEPS],
         "allowed_first": counts[0],
+        "allowed_most": max(counts),
         "finished_by_grammar": sum(o.finish_reason == "stop" for o in constrained),
     }
 
