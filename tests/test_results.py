@@ -4,6 +4,7 @@ and every way of getting one wrong is an error that names the page and line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,20 @@ def test_a_value_that_shows_as_nothing_is_an_error(book: Path) -> None:
     for name in ("none", "blank"):
         _, errors = sub(book, f'{{{{ result("ch02/demo_x", "{name}") }}}}\n')
         assert errors and "shows as nothing" in errors[0]
+
+
+LIST_ITEM = re.compile(r"^\s*\d[\d,]*[.)](\s|$)")
+
+
+def test_no_page_gains_a_numbered_list_from_a_value() -> None:
+    """Every line that reads as a numbered-list item after substitution was one
+    before it: a recorded value never opens a list (as '255. On paper' once did)."""
+    gained = []
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        source = path.read_text()
+        page = path.relative_to(ROOT / "docs").as_posix()
+        shown, _ = results.substitute(ROOT, page, source)
+        for n, (before, after) in enumerate(zip(source.splitlines(), shown.splitlines()), 1):
+            if LIST_ITEM.match(after) and not LIST_ITEM.match(before):
+                gained.append(f"docs/{page}:{n}: {after.strip()[:60]}")
+    assert not gained, "\n".join(gained)

@@ -236,15 +236,3 @@ def test_experiment_linker(html: str, linked: list[str]) -> None:
     out = hook.link_experiments(html, "ch02/", "test")
     assert re.findall(r'<a class="experiment-link" href="[^"]+">([^<]+)</a>', out) == linked
     assert re.sub(r"<[^>]+>", "", out) == re.sub(r"<[^>]+>", "", html)
-
-
-def test_no_list_starts_mid_count(site) -> None:
-    """A numbered list that starts at anything but 1 is, in this book, a number that a
-    placeholder put at the start of a line (see engine/tools/results.py)."""
-    odd = [
-        f"{name}: <ol start={ol.attrs.get('start')}>"
-        for name, page in pages(site.path).items()
-        for ol in page.find_all(lambda e: e.tag == "ol")
-        if ol.attrs.get("start", "1") != "1"
-    ]
-    assert not odd, "\n".join(odd)
