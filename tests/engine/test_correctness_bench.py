@@ -8,7 +8,7 @@ from engine.tools.correctness_bench import main
 
 
 def test_correctness_bench_prints_ratios_counts_and_mask_share(capsys) -> None:
-    main(["--requests", "4", "--max-tokens", "3", "--repeats", "5"])
+    main(["--requests", "4", "--max-tokens", "3", "--repeats", "5", "--rounds", "1"])
     out = capsys.readouterr().out
     assert re.search(r"off / on: [\d.]+x$", out, re.M), out
     counts = re.findall(r"mode (off|on): (\d+) distinct$", out, re.M)
