@@ -69,7 +69,12 @@ def one_query_per_row(meta: AttentionMetadata) -> AttentionMetadata:
     a decode at position p would, through the same kernel, whatever chunk or
     batch it came in. Causality is the context length: the step's keys are
     already in the cache, and each row stops at its own.
+
+    A step of decodes alone is that already, and is returned as it is: a CUDA
+    graph captured over static buffers must go on reading those buffers.
     """
+    if meta.num_decodes == len(meta.query_lens_cpu):
+        return meta
     contexts = [
         ctx - n + 1 + j
         for ctx, n in zip(meta.context_lens_cpu, meta.query_lens_cpu)

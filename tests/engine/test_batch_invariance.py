@@ -13,7 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from engine.batch_invariant import ROW_TILE, linear
+from engine.attention import AttentionMetadata
+from engine.batch_invariant import ROW_TILE, linear, one_query_per_row
 from tests.conftest import ROOT
 from tests.engine.invariance import compare, scenarios
 
@@ -42,6 +43,35 @@ def test_a_row_gets_the_same_bits_in_any_tile_and_any_position() -> None:
             batch = torch.randn(n, 64, generator=g)
             batch[at] = row
             assert torch.equal(linear(batch, weight, bias)[at], alone), (n, at)
+
+
+def test_decodes_keep_their_metadata_so_captured_graphs_read_their_buffers() -> None:
+    """A decode-only step is already one query per row: its metadata comes back
+    as it is (a CUDA graph replays over these very tensors). A step with a
+    prompt chunk becomes one row per query token, each with its own context."""
+    tables = torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)
+    decodes = AttentionMetadata(
+        slot_mapping=torch.tensor([40, 81]),
+        block_tables=tables,
+        context_lens=torch.tensor([9, 18], dtype=torch.int32),
+        cu_seqlens_q=torch.arange(3, dtype=torch.int32),
+        num_decodes=2,
+        context_lens_cpu=[9, 18],
+        query_lens_cpu=[1, 1],
+    )
+    assert one_query_per_row(decodes) is decodes
+    mixed = AttentionMetadata(
+        slot_mapping=torch.tensor([40, 79, 80, 81]),
+        block_tables=tables,
+        context_lens=torch.tensor([9, 18], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1, 4], dtype=torch.int32),
+        num_decodes=1,
+        context_lens_cpu=[9, 18],
+        query_lens_cpu=[1, 3],
+    )
+    rows = one_query_per_row(mixed)
+    assert rows.context_lens_cpu == [9, 16, 17, 18] and rows.num_decodes == 4
+    assert torch.equal(rows.block_tables, tables[[0, 1, 1, 1]])
 
 
 TRITON_SCRIPT = textwrap.dedent(
