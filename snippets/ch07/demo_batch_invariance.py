@@ -2,7 +2,7 @@
 off and on, compared bit for bit.
 
 The target prompt runs alone, then behind COMPANY[i] other requests, then with
-its prompt cut into chunks of CHUNK tokens. At each of its MAX_TOKENS steps its
+its prompt cut into chunks of CHUNK tokens, on the torch attention backend. At each of its MAX_TOKENS steps its
 logits are compared with the run alone: bitwise equal, or not, and by how much.
 Then REPEATS copies of it run among other requests, greedy, and the demo counts
 the distinct completions.
@@ -27,7 +27,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def target_logits(invariant: bool, ahead: int, **kwargs) -> list[torch.Tensor]:
-    llm = LLM(MODEL, batch_invariant=invariant, num_kv_blocks=128, **kwargs)
+    llm = LLM(
+        MODEL, batch_invariant=invariant, num_kv_blocks=128, attention_backend="torch", **kwargs
+    )
     engine, runner, seen = llm.llm_engine, llm.llm_engine.executor.model_runner, []
     forward = runner.forward
 
@@ -49,7 +51,13 @@ def target_logits(invariant: bool, ahead: int, **kwargs) -> list[torch.Tensor]:
 
 def distinct_completions(invariant: bool) -> int:
     """REPEATS copies of the target among other requests: how many answers?"""
-    llm = LLM(MODEL, batch_invariant=invariant, enable_prefix_caching=False, max_num_seqs=16)
+    llm = LLM(
+        MODEL,
+        batch_invariant=invariant,
+        enable_prefix_caching=False,
+        max_num_seqs=16,
+        attention_backend="torch",
+    )
     prompts, params = [], []
     for i in range(REPEATS):
         prompts += [TARGET, OTHERS[i % len(OTHERS)] * (1 + i % 4)]

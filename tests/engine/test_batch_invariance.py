@@ -27,9 +27,11 @@ def test_logits_are_bitwise_equal_in_any_company() -> None:
 
 
 def test_without_the_mode_company_changes_the_bits() -> None:
-    """The control: the same scenarios, mode off, do change the target's logits."""
+    """The control: the same scenarios, mode off on the same torch backend, do
+    change the target's logits."""
     chosen = ("alone", "behind 3", "chunked by 16")
-    same = compare({k: v for k, v in scenarios(TINY).items() if k in chosen})
+    runs = scenarios(TINY, attention_backend="torch")
+    same = compare({k: v for k, v in runs.items() if k in chosen})
     assert not all(same.values()), same
 
 
@@ -169,3 +171,13 @@ def test_seeded_samples_are_identical_alone_in_a_crowd_preempted_and_chunked(qwe
             assert llm.stats.preemptions > 0
     for name, got in results.items():
         assert got == results["alone"], name
+
+
+def test_the_mode_picks_a_backend_that_keeps_it() -> None:
+    """On the CPU the mode runs on the torch backend's split-KV path; the C++
+    'cpu' backend, which attends prompt chunks by the batch, is refused."""
+    from engine.config import EngineConfig
+
+    assert EngineConfig(str(TINY), batch_invariant=True).attention_backend == "torch"
+    with pytest.raises(ValueError, match="batch_invariant=True needs attention_backend"):
+        EngineConfig(str(TINY), batch_invariant=True, attention_backend="cpu")
