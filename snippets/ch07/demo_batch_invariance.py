@@ -2,8 +2,9 @@
 off and on, compared bit for bit.
 
 The target prompt runs alone, then behind COMPANY[i] other requests, then with
-its prompt cut into chunks of CHUNK tokens, on the torch attention backend. At each of its MAX_TOKENS steps its
-logits are compared with the run alone: bitwise equal, or not, and by how much.
+its prompt cut into chunks of CHUNK tokens, all on the torch attention backend.
+At each of its MAX_TOKENS steps its logits are compared with the run alone:
+bitwise equal, or not, and by how much.
 Then REPEATS copies of it run among other requests, greedy, and the demo counts
 the distinct completions.
 """
