@@ -42,8 +42,9 @@ class AsyncModelRunner(ModelRunner):
         super().__init__(config, stats)
         self.future = FutureTokens(config.max_num_seqs, self.device)
         self.worker = None
-        if self.device.type == "cpu":
-            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        if self.device.type == "cpu":  # with as many intra-op threads as this thread has
+            threads = torch.get_num_threads()
+            self.worker = ThreadPoolExecutor(1, "forward", torch.set_num_threads, (threads,))
 
     # --8<-- [start:launch]
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
