@@ -11,6 +11,11 @@ timed on the thread that runs it; on a GPU (--device cuda) the trace times it
 with CUDA events on the stream, so "forward idle" is the GPU's idle time
 between kernels of consecutive steps. Every run generates exactly output-len
 tokens per request (ignore_eos), so both settings do the same work.
+
+The GPU run, prepared for a machine with one (on a machine without, it says
+that no GPU was lent and measures nothing):
+
+    python -m engine.tools.overlap_bench --device cuda --num-prompts 64 256
 """
 
 from __future__ import annotations
@@ -84,6 +89,11 @@ def run(
     seed: int = 0,
 ) -> str:
     lines = []
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        return (
+            f"--device {device}: no GPU was lent to this run, so nothing was measured.\n"
+            "  Run the same command where torch sees a GPU."
+        )
     if device is None and not torch.cuda.is_available():
         lines += [
             "no GPU here: this run is on the CPU. On a machine with one,",

@@ -36,6 +36,8 @@ def test_greedy_tokens_match_transformers(qwen3, reference, config) -> None:
         assert stats.preemptions > 0, stats
     if config in ("chunked-prefill", "chunked-preempted-shared"):
         assert stats.partial_prefills > 0, stats
+    if config in ("prefix-sharing", "chunked-preempted-shared"):
+        assert stats.prefix_cache_hit_tokens > 0, stats
     # A request that stopped on EOS had been scheduled once more (these random
     # weights rarely choose EOS); length finishes are known ahead and waste nothing.
     assert stats.discarded_tokens == sum(o.finish_reason == "stop" for o in outputs)
@@ -107,36 +109,49 @@ def test_length_finishes_are_known_ahead_and_waste_nothing(qwen3) -> None:
     assert async_llm.stats.decode_tokens == sync_llm.stats.decode_tokens
 
 
-def test_the_forward_runs_while_the_next_step_is_scheduled(qwen3) -> None:
-    """Each forward pass waits, on the worker thread, until the engine has called
-    schedule() once more. A serial engine would wait forever (here: time out);
-    an engine that overlaps finishes, with the same tokens."""
+def test_the_next_step_is_built_while_the_forward_runs(qwen3) -> None:
+    """Each forward pass waits, on the worker thread, until the engine has built
+    the next step's inputs, placeholders and all. A serial engine, or one whose
+    next step needed this step's tokens on the host, would wait forever (here:
+    time out); this one finishes, with the same tokens. The last forward has no
+    next step to wait for: the engine finds nothing more to schedule."""
     llm = LLM(qwen3[0], async_scheduling=True)
     engine = llm.llm_engine
     scheduler, runner = engine.scheduler, engine.executor.model_runner
-    calls = {"schedule": 0, "forward": 0}
+    calls = {"prepared": 0, "forward": 0, "ended": False}
     ready = threading.Condition()
-    schedule, execute = scheduler.schedule, runner.execute_prepared
+    schedule, prepare, execute = scheduler.schedule, runner.prepare_inputs, runner.execute_prepared
 
-    def counted_schedule():
+    def watched_schedule():
         out = schedule()
         with ready:
-            calls["schedule"] += 1
+            calls["ended"] |= not out.scheduled
             ready.notify_all()
         return out
 
-    waited = []
+    def counted_prepare(scheduler_output):
+        step = prepare(scheduler_output)
+        with ready:
+            calls["prepared"] += 1
+            ready.notify_all()
+        return step
+
+    released = []  # for each forward: released by the next step's inputs being built?
 
     def gated_execute(step):
         calls["forward"] += 1
+        n = calls["forward"]
         with ready:
-            waited.append(ready.wait_for(lambda: calls["schedule"] > calls["forward"], 30))
+            ok = ready.wait_for(lambda: calls["prepared"] > n or calls["ended"], 30)
+            released.append(ok and calls["prepared"] > n)
         return execute(step)
 
-    scheduler.schedule, runner.execute_prepared = counted_schedule, gated_execute
+    scheduler.schedule, runner.prepare_inputs = watched_schedule, counted_prepare
+    runner.execute_prepared = gated_execute
     prompts = random_prompts(4, seed=64)
     outputs = llm.generate(prompts, greedy(6), use_tqdm=False)
-    assert waited and all(waited), waited
+    assert len(released) == llm.stats.steps > 2
+    assert all(released[:-1]) and not released[-1], released
     reference, _ = run(qwen3[0], False, prompts, greedy(6))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
 

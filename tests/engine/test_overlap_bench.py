@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import re
 
+import pytest
+import torch
+
 from engine.tools.overlap_bench import busy_seconds, run
 from engine.trace import Span
 
@@ -28,3 +31,9 @@ def test_busy_time_counts_overlapping_forwards_once() -> None:
     ]
     assert busy_seconds(spans, "gpu", 0.0, 10.0) == 4.0
     assert busy_seconds(spans, "gpu", 1.5, 5.5) == 2.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the GPU run measures")
+def test_the_gpu_run_says_that_no_gpu_was_lent(qwen3) -> None:
+    out = run(str(qwen3[0]), [2], (3, 6), output_len=3, device="cuda")
+    assert "no GPU was lent" in out and "requests" not in out
