@@ -72,6 +72,7 @@ def main() -> dict:
     print(f"  + {per_request} us a request; {STEPS} decode steps, seed {SEED}")
     results: dict = {"steps": STEPS, "cpu_us_per_step": per_step}
     results["cpu_us_per_request"] = per_request
+    results["largest_batch"] = BATCHES[-1]
     for name, params in MODELS.items():
         key = name.split("-")[0].lower()
         print()

@@ -74,7 +74,7 @@ def one_step_ahead(costs: list[dict[str, float]]) -> tuple[float, float]:
 
 def main() -> dict:
     print(f"Experiment {SAME_AS}'s steps and costs, seed {SEED}")
-    results: dict = {}
+    results: dict = {"largest_batch": BATCHES[-1]}
     for name, params in MODELS.items():
         key = name.split("-")[0].lower()
         print()
