@@ -77,7 +77,7 @@ def main() -> dict:
             print(f"  every stage on the {others} thread")
         else:
             print(f"  forward on the {lane['forward']} thread, the rest on {others}")
-        print(f"  step N+1 built before N folded in: {ahead} of {steps - 1}")
+        print(f"  next step built before the last folded in: {ahead} of {steps - 1}")
         results[f"steps_{name}"] = steps
         results[f"built_ahead_{name}"] = ahead
         results[f"forward_lane_{name}"] = lane["forward"]
