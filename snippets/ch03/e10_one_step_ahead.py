@@ -79,6 +79,7 @@ def main() -> dict:
         key = name.split("-")[0].lower()
         print()
         print(f"{name}: GPU idle and tokens/s")
+        print(f"{'':>5} {'GPU idle':^15} {'tokens/s':^17}".rstrip())
         print(f"{'batch':>5} {'serial':>7} {'ahead':>7} {'serial':>8} {'ahead':>8} {'ratio':>6}")
         for batch in BATCHES:
             costs = step_costs(params, batch)

@@ -139,8 +139,12 @@ def main() -> dict:
     print()
     print(f"{'event':<12} {'requests':>8} {'wasted':>7} {'naive engine':>13}")
     for event, n in count.items():
+        if event == "preempted":  # an event on the way, not a fourth way to end
+            print(f"{'':-<43}")
+            print("  a preempted request also ends as above:")
         print(f"{event:<12} {n:>8} {run['wasted'][event]:>7} {naive['wasted'][event]:>13}")
-    print(f"{'in all':<12} {'':>8} {wasted:>7} {naive_wasted:>13}")
+    print(f"{'':-<43}")
+    print(f"{'in all':<12} {len(requests):>8} {wasted:>7} {naive_wasted:>13}")
     print(f"wasted: {wasted / run['computed']:.2%} of the tokens computed")
     print()
     print(f"{grammars} of the requests with a grammar:")
