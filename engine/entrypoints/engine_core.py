@@ -109,6 +109,7 @@ class EngineCore:
                 command = self.inbox.get(block=not busy)
             except queue.Empty:
                 command = None
+            applied = command is not None
             while command is not None:
                 if command is _STOP:
                     return
@@ -119,6 +120,8 @@ class EngineCore:
                 deliver(CoreBatch(self.outbox.take(), self._stats(), failed))
                 if self.dead:
                     return
+            elif applied:  # aborts left the engine idle: say so, blocks freed
+                deliver(CoreBatch([], self._stats()))
 
     def _apply(self, command: tuple[str, list]) -> None:
         kind, items = command

@@ -55,8 +55,9 @@ def _guarded(path: str) -> bool:
 
 
 class BodyLimit:
-    """Refuse a body over ``max_bytes`` with 413, by its Content-Length or, when
-    it is sent in chunks, as soon as the chunks pass the limit."""
+    """Refuse a body over ``max_bytes`` with 413: by its Content-Length, or, when
+    it comes in chunks without one, by reading it here (up to the limit) before
+    the app sees it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -66,20 +67,30 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse().response()(scope, receive, send)
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise self._refuse()
-            return message
+            if message["type"] != "http.request":  # the client left
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+        replayed = False
 
-        await self.app(scope, counted, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # from here on, only a disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-    def _refuse(self) -> OpenAIError:
-        return OpenAIError(413, f"the request body is larger than {self.max_bytes} bytes")
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = OpenAIError(413, f"the request body is larger than {self.max_bytes} bytes")
+        await error.response()(scope, receive, send)

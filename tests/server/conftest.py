@@ -120,8 +120,10 @@ def metric(url: str, name: str, headers: dict | None = None) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
             seen = True
-    assert seen, f"{name} is not in {url}/metrics"
-    return total
+    family = name.removesuffix("_total")
+    declared = f"# TYPE {name} " in text or f"# TYPE {family} counter" in text
+    assert seen or declared, f"{name} is not in {url}/metrics"
+    return total  # a labelled family with no series yet counts 0
 
 
 @contextlib.contextmanager
