@@ -5,6 +5,7 @@ server-sent events ending in `data: [DONE]`."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -71,6 +72,9 @@ class Job:
         )
 
 
+_random = random.SystemRandom()
+
+
 def finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
@@ -123,6 +127,9 @@ class OpenAIServing:
         """An engine request per prompt and choice; bad settings are a 400."""
         job = Job(request_id, prompts)
         limit = self.llm.max_model_len
+        # Choice i draws with seed + i. Without a seed, a random one: the engine's
+        # default would give every choice the same draws.
+        seed = req.seed if req.seed is not None else _random.getrandbits(62)
         for p, ids in enumerate(prompts):
             if len(ids) >= limit:
                 raise bad_request(
@@ -148,7 +155,7 @@ class OpenAIServing:
                         max_tokens=max_tokens or limit - len(ids),
                         stop=req.stop_strings(),
                         ignore_eos=req.ignore_eos,
-                        seed=None if req.seed is None else req.seed + i,
+                        seed=seed + i,
                         logprobs=logprobs,
                     )
                 except ValueError as err:

@@ -129,3 +129,9 @@ def test_bad_requests_are_400s_the_client_understands(client) -> None:
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=4)
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices
+
+
+def test_n_choices_without_a_seed_differ(client) -> None:
+    """Unseeded choices get seeds of their own, not the same draws n times."""
+    kw = dict(model=MODEL, prompt="The KV cache", max_tokens=8, temperature=1.0, n=4)
+    assert len({c.text for c in client.completions.create(**kw).choices}) > 1
