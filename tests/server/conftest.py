@@ -68,43 +68,60 @@ def env() -> dict[str, str]:
     }
 
 
-@contextlib.contextmanager
-def running(command: str, *args: str, health: str = "/health") -> Iterator[Running]:
-    """`deepinfer COMMAND ARGS --port P` until it answers its health check; always stopped."""
+def spawn(command: str, *args: str) -> Running:
+    """Start `deepinfer COMMAND ARGS --port P`; see ready() and stop()."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix=f"deepinfer-{command}-", suffix=".log")[1])
     argv = [sys.executable, "-m", "engine.tools.cli", command, *args, "--port", str(port)]
     with log.open("w") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
-    server = Running(f"http://127.0.0.1:{port}", proc, log)
+    return Running(f"http://127.0.0.1:{port}", proc, log)
+
+
+def ready(server: Running) -> Running:
+    """Wait until it answers /health with 200."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"exited with {server.proc.returncode}:\n{server.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"did not start:\n{server.log_tail()}")
+        time.sleep(0.2)
+
+
+def stop(server: Running) -> None:
+    proc = server.proc
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+    server.log.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def running(*commands: tuple[str, ...]) -> Iterator[list[Running]]:
+    """Several servers, started together and all stopped at the end, whatever happens."""
+    servers: list[Running] = []
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{command} exited with {proc.returncode}:\n{server.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(server.url + health, timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{command} did not start:\n{server.log_tail()}")
-            time.sleep(0.2)
-        yield server
+        for command in commands:
+            servers.append(spawn(*command))
+        yield [ready(s) for s in servers]
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
-        log.unlink(missing_ok=True)
+        for s in servers:
+            stop(s)
 
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Running]:
     """One `deepinfer serve` on deepinfer-tiny with an API key, shared by the tests
     that do not need a server of their own."""
-    with running("serve", str(TINY), *SERVE_ARGS, "--api-key", API_KEY) as s:
+    with running(("serve", str(TINY), *SERVE_ARGS, "--api-key", API_KEY)) as (s,):
         yield s
 
 
