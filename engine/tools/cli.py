@@ -90,9 +90,26 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    low, _, high = args.input_len.partition(":")
+    if args.serve:
+        from engine.tools.serve_bench import run as run_served
+
+        concurrency = [int(c) for c in args.concurrency.split(",")]
+        print(
+            run_served(
+                args.model,
+                args.num_prompts,
+                (int(low), int(high or low)),
+                args.output_len,
+                concurrency,
+                seed=args.seed,
+                device=args.device,
+                threads=args.threads,
+            )
+        )
+        return 0
     from engine.tools.bench import run
 
-    low, _, high = args.input_len.partition(":")
     print(
         run(
             args.model,
@@ -193,6 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-hf",
         action="store_true",
         help="also run transformers' batched generate in the same run",
+    )
+    bench.add_argument(
+        "--serve",
+        action="store_true",
+        help="the same workload through `deepinfer serve` and LLM.generate, as ratios",
+    )
+    bench.add_argument(
+        "--concurrency", default="1,16,64", help="with --serve: clients at once, A,B,..."
+    )
+    bench.add_argument(
+        "--threads", type=int, default=1, help="with --serve: torch threads on each side"
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--device", default=None)
