@@ -12,13 +12,9 @@ latency is a request's (last token - first token) / (tokens - 1).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -28,6 +24,7 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tools.bench import random_prompts
+from engine.tools.launch import launched
 
 
 @dataclass
@@ -110,38 +107,6 @@ async def served(
     )
 
 
-@contextlib.contextmanager
-def server(model: str, max_num_seqs: int, threads: int, device: str | None):
-    """`deepinfer serve` on a free loopback port, stopped at the end."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "engine.tools.cli", "serve", model, "--port", str(port)]
-    argv += ["--max-num-seqs", str(max_num_seqs), "--log-level", "warning"]
-    argv += ["--device", device] if device else []
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(argv, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"deepinfer serve exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit("deepinfer serve did not start")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def _row(label: str, m: Measured) -> str:
     itl = statistics.mean(m.itl_ms) if m.itl_ms else float("nan")
     return (
@@ -185,14 +150,17 @@ def run(
     name = os.path.basename(os.path.normpath(model))
     lines = [
         f"model: {hf.architecture}, {hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
-        f"{llm.llm_engine.config.device}, {threads} threads",
+        f"{llm.llm_engine.config.device}, {threads} torch thread(s) on each side",
         f"{num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, "
         f"{output_len} output tokens each, greedy",
         "server: deepinfer serve, streaming over loopback HTTP; "
         "offline: LLM.generate in waves of N",
         "",
     ]
-    with server(model, max(concurrency), threads, device) as url:
+    serve = ["serve", model, "--max-num-seqs", str(max(concurrency))]
+    serve += ["--device", device] if device else []
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    with launched(*serve, env=env) as url:
         offline(llm, warm, 2, len(warm))
         asyncio.run(served(url, name, warm, 2, len(warm)))
         for clients in concurrency:
