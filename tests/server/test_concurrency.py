@@ -9,6 +9,7 @@ import json
 import time
 
 import httpx
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -148,3 +149,17 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_blocks(server) -> None:
     assert metric(url, "deepinfer:num_requests_running") == 0
     assert metric(url, "deepinfer:request_success_total") == finished  # it never finished
     assert metric(url, "deepinfer:generation_tokens_total") - generated < max_tokens
+
+
+def test_a_client_that_gives_up_on_a_whole_response_aborts_it(server) -> None:
+    """Without streaming too: the handler notices the hang-up and aborts."""
+    url = server.url
+    body = {"model": "deepinfer-tiny", "prompt": "The block manager", "max_tokens": 120,
+            "ignore_eos": True}  # fmt: skip
+    aborted = metric(url, "deepinfer:request_aborted_total")
+    finished = metric(url, "deepinfer:request_success_total")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up, and closes its connection
+        httpx.post(url + "/v1/completions", json=body, headers=auth(), timeout=0.3)
+    assert wait_for(lambda: metric(url, "deepinfer:request_aborted_total") == aborted + 1)
+    assert wait_for(lambda: metric(url, "deepinfer:kv_cache_usage_perc") == 0)
+    assert metric(url, "deepinfer:request_success_total") == finished

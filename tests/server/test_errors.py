@@ -165,3 +165,18 @@ def test_an_engine_failure_is_a_500_with_the_request_id(app_url, caplog) -> None
     again = httpx.post(url + "/v1/completions", json=GOOD, timeout=30)
     assert again.status_code == 200, again.text
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_the_api_key_can_come_from_the_environment(monkeypatch) -> None:
+    """`deepinfer serve` takes DEEPINFER_API_KEY when --api-key is not given."""
+    from engine.entrypoints import api_server
+    from engine.tools import cli
+
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, *a: seen.append(config))
+    monkeypatch.setenv("DEEPINFER_API_KEY", "from-env")
+    assert cli.main(["serve", str(TINY)]) == 0
+    assert cli.main(["serve", str(TINY), "--api-key", "given"]) == 0
+    monkeypatch.delenv("DEEPINFER_API_KEY")
+    assert cli.main(["serve", str(TINY)]) == 0
+    assert [c.api_key for c in seen] == ["from-env", "given", None]
