@@ -10,6 +10,7 @@ requests, and the core frees their blocks at its next step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,8 +20,10 @@ from engine.entrypoints.engine_core import CoreBatch, EngineCore
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.metrics import ServerMetrics
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer.server")
 
 
 @dataclass
@@ -125,9 +128,22 @@ class AsyncLLM:
 
     def _on_batch(self, batch: CoreBatch) -> None:
         """One step's outputs, in the loop's thread: text, stop strings, metrics."""
-        now = time.perf_counter()
         self.metrics.core_stats(batch.stats)
-        known = [o for o in batch.outputs if o.request_id in self.sinks]  # not aborted
+        try:
+            self._deliver(batch.outputs)
+        except Exception as err:  # a bug on this side fails the step's requests, not the server
+            failed = [o.request_id for o in batch.outputs if o.request_id in self.sinks]
+            logger.exception("processing the outputs of %s failed", ", ".join(failed))
+            self.core.abort(failed)
+            self._fail(dict.fromkeys(failed, f"{type(err).__name__}: {err}"))
+        self._fail(batch.failed)
+        if self.core.dead:  # nothing more will come: fail whoever still waits
+            for request_id in list(self.sinks):
+                self.sinks.pop(request_id).put_nowait(EngineFailure(request_id, self.core.dead))
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        now = time.perf_counter()
+        known = [o for o in outputs if o.request_id in self.sinks]  # not aborted
         processed = self.processor.process_outputs(known)
         if processed.reqs_to_abort:  # a stop string ended them here; stop the core too
             self.core.abort(processed.reqs_to_abort)
@@ -137,15 +153,15 @@ class AsyncLLM:
             if out.finished:
                 del self.sinks[out.request_id]
             sink.put_nowait(out)
-        for request_id, message in batch.failed.items():
+
+    def _fail(self, failed: dict[str, str]) -> None:
+        """Requests that will get no more outputs: their handlers answer with a 500."""
+        for request_id, message in failed.items():
             if (sink := self.sinks.pop(request_id, None)) is not None:
                 self.processor.abort_request(request_id)
                 self.timing.pop(request_id, None)
                 self.metrics.failed.inc()
                 sink.put_nowait(EngineFailure(request_id, message))
-        if self.core.dead:  # nothing more will come: fail whoever still waits
-            for request_id in list(self.sinks):
-                self.sinks.pop(request_id).put_nowait(EngineFailure(request_id, self.core.dead))
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         m, t = self.metrics, self.timing[out.request_id]

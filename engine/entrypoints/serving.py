@@ -5,6 +5,7 @@ server-sent events ending in `data: [DONE]`."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -54,7 +55,8 @@ class Choice:
 class Job:
     """One HTTP request's engine requests, by engine request id."""
 
-    request_id: str
+    id: str  # the response's: cmpl-... or chatcmpl-...
+    request_id: str  # the HTTP request's, as in X-Request-Id and the log
     prompts: list[list[int]]
     requests: dict[str, tuple[list[int], SamplingParams]] = field(default_factory=dict)
     choices: dict[str, Choice] = field(default_factory=dict)
@@ -73,6 +75,7 @@ class Job:
 
 
 _random = random.SystemRandom()
+logger = logging.getLogger("deepinfer.server")
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -118,6 +121,7 @@ class OpenAIServing:
 
     def job(
         self,
+        kind: str,
         request_id: str,
         prompts: list[list[int]],
         req: SamplingFields,
@@ -125,7 +129,7 @@ class OpenAIServing:
         logprobs: int | None,
     ) -> Job:
         """An engine request per prompt and choice; bad settings are a 400."""
-        job = Job(request_id, prompts)
+        job = Job(f"{kind}-{request_id}", request_id, prompts)
         limit = self.llm.max_model_len
         # Choice i draws with seed + i. Without a seed, a random one: the engine's
         # default would give every choice the same draws.
@@ -160,7 +164,7 @@ class OpenAIServing:
                     )
                 except ValueError as err:
                     raise bad_request(str(err)) from err
-                engine_id = f"{request_id}-{index}"
+                engine_id = f"{job.id}-{index}"
                 job.requests[engine_id] = (ids, params)
                 job.choices[engine_id] = Choice(index, p)
         return job
@@ -186,7 +190,12 @@ class OpenAIServing:
                 yield sse(event)
         except OpenAIError as err:  # the status is sent already: say it in the stream
             err.request_id = job.request_id
+            logger.error("request %s: %s", job.request_id, err.message)
             yield sse(err.body())
+        except Exception:  # a bug of ours: the same, with its traceback in the log
+            logger.exception("request %s failed", job.request_id)
+            message = f"internal server error (request id {job.request_id})"
+            yield sse(OpenAIError(500, message, request_id=job.request_id).body())
         finally:  # the client may have gone: stop what it no longer reads
             self.llm.abort(list(job.requests))
         yield "data: [DONE]\n\n"
@@ -238,7 +247,7 @@ class OpenAIServing:
             raise bad_request("prompt is empty", "prompt")
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         prompts = [self.tokenize(p) for p in batch]
-        job = self.job(f"cmpl-{request_id}", prompts, req, req.max_tokens, req.logprobs)
+        job = self.job("cmpl", request_id, prompts, req, req.max_tokens, req.logprobs)
         outputs = self.start(job)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -261,11 +270,9 @@ class OpenAIServing:
             item = CompletionChoice(
                 index=choice.index, text=text, logprobs=logprobs, finish_reason=finish_reason(out)
             )
-            yield CompletionResponse(id=job.request_id, model=req.model, choices=[item])
+            yield CompletionResponse(id=job.id, model=req.model, choices=[item])
         if usage:
-            yield CompletionResponse(
-                id=job.request_id, model=req.model, choices=[], usage=job.usage()
-            )
+            yield CompletionResponse(id=job.id, model=req.model, choices=[], usage=job.usage())
 
     async def _completion(
         self, job: Job, req: CompletionRequest, outputs: AsyncIterator
@@ -286,9 +293,7 @@ class OpenAIServing:
                     finish_reason=finish_reason(out),
                 )
             )
-        return CompletionResponse(
-            id=job.request_id, model=req.model, choices=choices, usage=job.usage()
-        )
+        return CompletionResponse(id=job.id, model=req.model, choices=choices, usage=job.usage())
 
     # ------------------------------------------------------------ chat
 
@@ -306,7 +311,7 @@ class OpenAIServing:
             raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        job = self.job(f"chatcmpl-{request_id}", [self.tokenize(text)], req, max_tokens, logprobs)
+        job = self.job("chatcmpl", request_id, [self.tokenize(text)], req, max_tokens, logprobs)
         outputs = self.start(job)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -314,7 +319,7 @@ class OpenAIServing:
         return await self._chat(job, req, outputs)
 
     def _chunk(self, job: Job, req: ChatCompletionRequest, **kw) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=job.request_id, model=req.model, **kw)
+        return ChatCompletionChunk(id=job.id, model=req.model, **kw)
 
     async def _chat_chunks(
         self, job: Job, req: ChatCompletionRequest, outputs: AsyncIterator, usage: bool
@@ -358,5 +363,5 @@ class OpenAIServing:
                 )
             )
         return ChatCompletionResponse(
-            id=job.request_id, model=req.model, choices=choices, usage=job.usage()
+            id=job.id, model=req.model, choices=choices, usage=job.usage()
         )

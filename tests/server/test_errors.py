@@ -5,7 +5,9 @@ and after every one of them the server goes on serving."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -130,8 +132,10 @@ def test_a_full_queue_answers_503_with_retry_after(app_url) -> None:
         senders = [threading.Thread(target=post) for _ in range(2)]
         for t in senders:
             t.start()
+        deadline = time.monotonic() + 30
         while app.state.llm.num_waiting < 2:  # both accepted, neither has a token
-            threading.Event().wait(0.01)
+            assert time.monotonic() < deadline, "the two requests never arrived"
+            time.sleep(0.01)
         refused = httpx.post(url + "/v1/completions", json=GOOD, timeout=30)
         assert_openai_error(refused, 503, "too many requests waiting")
         assert refused.headers["retry-after"] == "1"
@@ -165,6 +169,64 @@ def test_an_engine_failure_is_a_500_with_the_request_id(app_url, caplog) -> None
     again = httpx.post(url + "/v1/completions", json=GOOD, timeout=30)
     assert again.status_code == 200, again.text
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_an_engine_failure_mid_stream_ends_it_with_an_error_event(app_url, caplog) -> None:
+    """The stream's 200 is sent already: the error comes as its last event, with
+    the request's id, before [DONE]."""
+    app, url = app_url
+    executor = app.state.llm.core.engine.executor
+    execute, steps = executor.execute_model, []
+
+    def fail_third(scheduler_output):
+        steps.append(scheduler_output)
+        if len(steps) < 3:
+            return execute(scheduler_output)
+        executor.execute_model = execute
+        raise RuntimeError("the device fell over mid-stream")
+
+    executor.execute_model = fail_third
+    body = {**GOOD, "max_tokens": 8, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as reply:
+            events = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    finally:
+        executor.execute_model = execute
+    assert reply.status_code == 200 and events[-1] == "data: [DONE]"
+    assert all("error" not in json.loads(e[6:]) for e in events[:-2])  # two tokens came
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert "mid-stream" in error["message"] and error["type"] == "internal_server_error"
+    assert error["request_id"] == reply.headers["x-request-id"]
+    assert error["request_id"] in caplog.text
+    assert app.state.llm.core.engine.block_manager.num_free_blocks == 256
+    assert httpx.post(url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
+
+
+def test_a_failure_in_the_front_end_is_a_500_too(app_url, caplog) -> None:
+    """Turning a step's outputs into text can fail too (a tokenizer's bug): the
+    requests of that step fail with a 500, the core drops them, the server goes on."""
+    app, url = app_url
+    llm = app.state.llm
+    process = llm.processor.process_outputs
+
+    def fail_once(outputs):
+        llm.processor.process_outputs = process
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "not a character")
+
+    llm.processor.process_outputs = fail_once
+    try:
+        reply = httpx.post(url + "/v1/completions", json=GOOD, timeout=30)
+    finally:
+        llm.processor.process_outputs = process
+    error = assert_openai_error(reply, 500, "UnicodeDecodeError")
+    assert error["request_id"] == reply.headers["x-request-id"]
+    assert error["request_id"] in caplog.text
+    engine = llm.core.engine
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() or engine.block_manager.num_free_blocks != 256:
+        assert time.monotonic() < deadline, "the core kept the failed request"
+        time.sleep(0.01)
+    assert httpx.post(url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
 
 
 def test_the_api_key_can_come_from_the_environment(monkeypatch) -> None:
