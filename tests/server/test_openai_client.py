@@ -113,6 +113,33 @@ def test_logprobs_of_the_chosen_tokens(client) -> None:
     assert "".join(t.token for t in content) == out.choices[0].message.content
 
 
+def test_completion_logprobs_whole_and_streamed(client) -> None:
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    choice = client.completions.create(**kw).choices[0]
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == 6
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 2 and top[token] == logprob == max(top.values()) <= 0
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True)]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+def test_n_streamed_choices_match_the_whole_response(client) -> None:
+    kw = dict(model=MODEL, prompt="The KV cache", max_tokens=8, temperature=1.0, seed=5, n=3)
+    whole = client.completions.create(**kw)
+    texts = ["", "", ""]
+    reasons: list[str | None] = [None] * 3
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [c.text for c in whole.choices]
+    assert reasons == [c.finish_reason for c in whole.choices]
+
+
 def test_a_wrong_api_key_is_refused(server) -> None:
     wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as caught:
