@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.entrypoints.chat_template import ChatTemplate, load_chat_template
 from engine.entrypoints.errors import OpenAIError
+from engine.entrypoints.middleware import BodyLimit
 from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
 
 logger = logging.getLogger("deepinfer.router")
@@ -46,6 +47,7 @@ class RouterConfig:
     prefix_blocks: int = 4
     load_factor: float = 1.25
     health_interval: float = 2.0
+    max_body_bytes: int = 4 * 1024 * 1024  # as the workers': the router reads a body whole
 
 
 class RouterMetrics:
@@ -207,10 +209,16 @@ def build_router(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="DeepInfer router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, err: OpenAIError) -> Response:
         return err.response()
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception) -> Response:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return OpenAIError(500, f"the router failed: {type(err).__name__}").response()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

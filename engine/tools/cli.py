@@ -84,6 +84,7 @@ def _router(args: argparse.Namespace) -> int:
         prefix_blocks=args.prefix_blocks,
         load_factor=args.load_factor,
         health_interval=args.health_interval,
+        max_body_bytes=args.max_body_bytes,
     )
     run_router(config, args.host, args.port, args.log_level)
     return 0
@@ -196,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker takes at most this times the mean load in flight",
     )
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
+    router.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8080)
     router.add_argument("--log-level", default="info")

@@ -120,3 +120,14 @@ def test_prefix_affinity_beats_round_robin_and_survives_a_dead_worker(cluster) -
     assert send(rr.url, orphans[:4]) == [alive.url] * 4
     up = metric(rr.url, 'deepinfer_router:worker_up{worker="' + dead.url + '"}')
     assert up == 0
+
+
+def test_the_router_refuses_a_body_over_its_limit(cluster) -> None:
+    """It reads a body whole to hash its prompt, so it bounds it as the workers do."""
+    _, rr, prefix = cluster
+    big = b'{"model": "deepinfer-tiny", "prompt": "' + b"x" * (5 * 2**20) + b'"}'
+    for router in (rr, prefix):
+        reply = httpx.post(router.url + "/v1/completions", content=big, timeout=30,
+                           headers={"content-type": "application/json"})  # fmt: skip
+        assert reply.status_code == 413, reply.text
+        assert "larger than" in reply.json()["error"]["message"]
