@@ -28,6 +28,16 @@ API_KEY = "test-key-0123456789"
 # enough that the longest request a fuzzer can make is a fraction of a second.
 SERVE_ARGS = ["--num-kv-blocks", "1024", "--max-model-len", "128", "--seed", "0"]
 START_TIMEOUT_S = 120
+# No server test may hang CI: past this, pytest-timeout fails it (setup, call and
+# teardown together), and its fixtures still stop the servers they started.
+TEST_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
 
 
 def free_port() -> int:
