@@ -102,6 +102,14 @@ class EngineCore:
             self.thread.join(timeout=30)
 
     def _run(self, deliver: Callable[[CoreBatch], None]) -> None:
+        try:
+            self._loop(deliver)
+        except Exception as err:  # outside a step: nothing to recover, but nobody waits forever
+            self.dead = f"{type(err).__name__}: {err}"
+            logger.exception("the engine core stopped")
+            deliver(CoreBatch([], self._stats()))  # the front end fails whoever waits
+
+    def _loop(self, deliver: Callable[[CoreBatch], None]) -> None:
         engine = self.engine
         while True:
             busy = engine.has_unfinished_requests()

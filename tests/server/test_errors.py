@@ -242,3 +242,21 @@ def test_the_api_key_can_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.delenv("DEEPINFER_API_KEY")
     assert cli.main(["serve", str(TINY)]) == 0
     assert [c.api_key for c in seen] == ["from-env", "given", None]
+
+
+def test_a_dead_engine_core_fails_its_requests_and_says_so() -> None:
+    """If the core's thread itself fails (not a step: those it survives), the
+    requests it held get a 500 instead of waiting forever, /health turns 503,
+    and new requests are refused with 503."""
+    app = build_app(ServerConfig(EngineConfig(model=str(TINY), num_kv_blocks=64)))
+
+    def broken(seq) -> None:
+        raise RuntimeError("the core's queue is corrupt")
+
+    app.state.llm.core.engine.add_sequence = broken
+    with in_thread(app) as url:
+        reply = httpx.post(url + "/v1/completions", json=GOOD, timeout=30)
+        assert_openai_error(reply, 500, "the core's queue is corrupt")
+        assert_openai_error(httpx.get(url + "/health", timeout=10), 503, "not running")
+        again = httpx.post(url + "/v1/completions", json=GOOD, timeout=30)
+        assert_openai_error(again, 503, "not running")
