@@ -169,8 +169,7 @@ class AsyncLLM:
         if t.last_token is None:
             m.ttft.observe(now - t.arrival)
             m.prompt_tokens.inc(len(out.prompt_token_ids))
-            m.prefix_queries.inc(len(out.prompt_token_ids))
-            m.prefix_hits.inc(out.num_cached_tokens)
+            m.prefix_lookup(len(out.prompt_token_ids), out.num_cached_tokens)
         else:
             m.itl.observe(now - t.last_token)
         m.generation_tokens.inc(new)

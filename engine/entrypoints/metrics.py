@@ -50,6 +50,9 @@ class ServerMetrics:
         self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Share of KV blocks in use (0-1).")
         self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up.")
         self.prefix_hits = make(Counter, "prefix_cache_hits", "Prompt tokens found cached.")
+        self.prefix_hit_rate = make(
+            Gauge, "prefix_cache_hit_rate", "Prompt tokens found cached / looked up, since start."
+        )
         self.preemptions = make(Counter, "num_preemptions", "Requests preempted.")
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of started requests.")
         self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated.")
@@ -59,6 +62,14 @@ class ServerMetrics:
         self.failed = make(Counter, "request_failed", "Requests failed by the engine.")
         self._labels = labels
         self._preemptions_seen = 0
+        self._queried = self._hit = 0
+
+    def prefix_lookup(self, queried: int, hit: int) -> None:
+        """A request's first token: how much of its prompt the prefix cache held."""
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
+        self._queried, self._hit = self._queried + queried, self._hit + hit
+        self.prefix_hit_rate.set(self._hit / self._queried if self._queried else 0.0)
 
     def finished(self, reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()

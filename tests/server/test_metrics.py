@@ -52,6 +52,7 @@ def test_preempted_requests_resume_unchanged_and_every_metric_counts(url) -> Non
     assert hits >= 16 and first["prompt_tokens_details"]["cached_tokens"] == 0
     assert m(url, "prefix_cache_queries_total") == first["prompt_tokens"] * 2
     assert m(url, "prefix_cache_hits_total") == hits
+    assert m(url, "prefix_cache_hit_rate") == hits / (first["prompt_tokens"] * 2)
 
     alone = [complete(url, p)["choices"][0]["text"] for p in PROMPTS]
     assert m(url, "num_preemptions_total") == 0
