@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, SERVE_ARGS
 
 MODEL = "deepinfer-tiny"
 PROMPT = "def schedule(self"
@@ -138,6 +138,15 @@ def test_n_streamed_choices_match_the_whole_response(client) -> None:
             reasons[c.index] = c.finish_reason or reasons[c.index]
     assert texts == [c.text for c in whole.choices]
     assert reasons == [c.finish_reason for c in whole.choices]
+
+
+def test_a_chat_without_a_limit_fills_the_context(client) -> None:
+    """No max_tokens: the reply may run to the context's end (128 tokens on the
+    tests' server), as OpenAI's default is."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is a block?"}])
+    out = client.chat.completions.create(**kw, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.total_tokens == int(SERVE_ARGS[SERVE_ARGS.index("--max-model-len") + 1])
 
 
 def test_a_wrong_api_key_is_refused(server) -> None:
