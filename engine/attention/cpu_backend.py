@@ -19,8 +19,10 @@ from engine.kv_cache import PagedKV
 
 
 @dataclass
-class CpuAttentionMetadata:
-    torch: TorchAttentionMetadata  # prompt chunks (and the decode groups, for other layers)
+class CpuAttentionMetadata(TorchAttentionMetadata):
+    """The torch backend's metadata (its decode groups serve any layer that
+    still attends through torch), plus the decodes' tables for the operator."""
+
     decode_tables: torch.Tensor  # [decodes, max_blocks] int32, padded with -1
     decode_lens: torch.Tensor  # [decodes] int32: tokens each decode attends over
 
@@ -32,21 +34,18 @@ class CpuBackend(TorchBackend):
         d = meta.num_decodes
         tables = meta.block_tables[:d].to(torch.int32).contiguous()
         lens = meta.context_lens[:d].to(torch.int32).contiguous()
-        return CpuAttentionMetadata(super().build_metadata(meta), tables, lens)
+        common = super().build_metadata(meta)
+        return CpuAttentionMetadata(common.decode_groups, common.prefill_chunks, tables, lens)
 
     # --8<-- [start:cpu_decode]
     def forward(self, q, k, v, cache: PagedKV, attn_metadata: CpuAttentionMetadata, scale):
         d = attn_metadata.decode_lens.shape[0]
-        prompts_only = replace(attn_metadata.torch, decode_groups=[])
+        prompts_only = replace(attn_metadata, decode_groups=[])
         out = super().forward(q, k, v, cache, prompts_only, scale)  # the prompt chunks
         if d:  # one query per decode, at the start of the batch
+            tables, lens = attn_metadata.decode_tables, attn_metadata.decode_lens
             out[:d] = torch.ops.deepinfer.paged_decode_attention(
-                q[:d],
-                cache.k,
-                cache.v,
-                attn_metadata.decode_tables,
-                attn_metadata.decode_lens,
-                scale,
+                q[:d], cache.k, cache.v, tables, lens, scale
             )
         return out
 

@@ -52,7 +52,8 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
     const T* k = k_cache + row0;
     const T* v = v_cache + row0;
     for (int64_t t = 0; t < n; ++t)  // each key row is loaded once for the whole group
-      for (int64_t g = 0; g < group; ++g) p[g * bs + t] = dot(qs + g * dim, k + t * row_stride, dim);
+      for (int64_t g = 0; g < group; ++g)
+        p[g * bs + t] = dot(qs + g * dim, k + t * row_stride, dim);
     for (int64_t g = 0; g < group; ++g) {
       // Online softmax: rescale what came before to the new max, then add this block.
       float* s = p + g * bs;
@@ -107,10 +108,12 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [seqs, heads, dim], cache [blocks, size, kv_heads, dim]");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
+              "q [seqs, heads, dim], cache [blocks, size, kv_heads, dim]");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the cache disagree on head_dim");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
               "q, k_cache and v_cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
@@ -123,7 +126,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   } else if (q.scalar_type() == at::kBFloat16) {
     attend_all<at::BFloat16>(qc, k_cache, v_cache, tables, lens, scale, out);
   } else {
-    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", q.scalar_type());
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ",
+                q.scalar_type());
   }
   return out;
 }
