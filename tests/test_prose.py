@@ -255,6 +255,9 @@ OUTSIDE_NAMES = {
     "hidden_size",
     "intermediate_size",
     "tie_word_embeddings",
+    # the serving section: the openai client's argument, and the server's environment variable
+    "base_url",
+    "DEEPINFER_API_KEY",
     # peers' names, quoted when the book compares
     "store_kvcache",
     "slot_mapping",
