@@ -118,6 +118,11 @@ class EngineConfig:
     # True: a request's logits are bitwise the same whatever else is in the batch,
     # at some cost in speed (engine/batch_invariant.py).
     batch_invariant: bool = False
+    # Schedule step N+1 while step N's forward pass runs (async_loop.py); vLLM's name.
+    async_scheduling: bool = False
+    # Record when each stage of each step ran (trace.py): True keeps it in memory,
+    # a path also writes it there as a Chrome trace when generate returns.
+    trace: bool | str = False
     hf_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:

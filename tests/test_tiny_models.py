@@ -134,3 +134,19 @@ def test_records_report_targets_met(records) -> None:
     assert unigram / evaluation["perplexity"][TARGET] >= 5
     assert evaluation["greedy_agreement"] >= 0.5
     assert (MODELS / "RECORDS.md").is_file()
+
+
+def test_both_folders_carry_the_training_scripts_chat_template() -> None:
+    """A rerun of train_tiny.py writes the same template; transformers renders it."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import load_script
+
+    template = load_script(MODELS / "train_tiny.py", "train_tiny").CHAT_TEMPLATE
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    for name in (TARGET, DRAFT):
+        config = json.loads((MODELS / name / "tokenizer_config.json").read_text())
+        assert config["chat_template"] == template, name
+        auto = AutoTokenizer.from_pretrained(MODELS / name, local_files_only=True)
+        text = auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert text == "Be brief.\n\nQ: Why?\nA:", name
