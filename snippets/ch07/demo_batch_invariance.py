@@ -34,11 +34,11 @@ def target_logits(invariant: bool, ahead: int, **kwargs) -> list[torch.Tensor]:
     engine, runner, seen = llm.llm_engine, llm.llm_engine.executor.model_runner, []
     forward = runner.forward
 
-    def recording(out):  # keep the target's row of every step's logits
-        batch, logits = forward(out)
-        if "target" in batch.req_ids:
-            seen.append(logits[batch.req_ids.index("target")].clone())
-        return batch, logits
+    def recording(step):  # keep the target's row of every step's logits
+        logits = forward(step)
+        if "target" in step.batch.req_ids:
+            seen.append(logits[step.batch.req_ids.index("target")].clone())
+        return logits
 
     runner.forward = recording
     for i in range(ahead):

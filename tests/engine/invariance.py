@@ -25,11 +25,11 @@ def record_logits(llm: LLM, req_id: str) -> list[torch.Tensor]:
     runner = llm.llm_engine.executor.model_runner
     forward, seen = runner.forward, []
 
-    def recording(out):
-        batch, logits = forward(out)
-        if req_id in batch.req_ids:
-            seen.append(logits[batch.req_ids.index(req_id)].clone())
-        return batch, logits
+    def recording(step):
+        logits = forward(step)
+        if req_id in step.batch.req_ids:
+            seen.append(logits[step.batch.req_ids.index(req_id)].clone())
+        return logits
 
     runner.forward = recording
     return seen
