@@ -137,8 +137,7 @@ class LLMEngine:
         self.output_processor.abort_request(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule (with grammar masks), run the model once, fold the new tokens
-        into the requests, and turn them into outputs."""
+        """Schedule (grammar masks too), run the model, fold in the tokens, output."""
         if self.async_loop is not None:  # async scheduling: see async_loop.py
             return self.async_loop.step()
         start = time.perf_counter()
