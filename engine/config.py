@@ -59,7 +59,7 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(raw, rope_scaling),
-            rope_scaling=_rope_scaling(rope_scaling),
+            rope_scaling=_rope_scaling(rope_scaling, raw),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
@@ -74,16 +74,22 @@ def _rope_theta(raw: dict, rope: dict | None) -> float:
     return float((rope or {}).get("rope_theta", 10000.0))
 
 
-def _rope_scaling(rope: dict | None) -> dict | None:
+def _rope_scaling(rope: dict | None, raw: dict) -> dict | None:
     """Keep only scaling that changes the frequencies; 'default' means none."""
     if not rope:
         return None
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3")
-    return dict(rope, rope_type=kind)
+    if kind not in ("llama3", "yarn"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, yarn")
+    rope = dict(rope, rope_type=kind)
+    if kind == "yarn":  # the defaults transformers fills in
+        longest = raw.get("max_position_embeddings", 4096)
+        rope.setdefault("original_max_position_embeddings", longest)
+        if rope.get("factor") is None:
+            rope["factor"] = longest / rope["original_max_position_embeddings"]
+    return rope
 
 
 def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
