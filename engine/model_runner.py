@@ -41,6 +41,7 @@ class ModelRunner:
                 if hasattr(module, "use_triton"):
                     module.use_triton = True
         self.sampler = Sampler()
+        self._bind_expert_counts()
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.max_model_len = self._max_model_len()
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
@@ -49,6 +50,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and self.backend.name == "triton"
             and not config.enforce_eager
+            and getattr(self.model, "supports_cuda_graphs", True)
         ):
             c = config.hf_config
             self.graphs = CUDAGraphRunner(
@@ -61,6 +63,17 @@ class ModelRunner:
                 self.device,
             )
 
+    def _bind_expert_counts(self) -> None:
+        """Every MoE layer counts its tokens into a row of one tensor in the stats."""
+        experts = self.model.experts() if hasattr(self.model, "experts") else []
+        if experts:
+            counts = torch.zeros(
+                len(experts), experts[0].num_experts, dtype=torch.int64, device=self.device
+            )
+            for row, layer in zip(counts, experts):
+                layer.token_counts = row
+            self.stats.expert_tokens = counts
+
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """One tensor for the whole cache: [k/v, layer, block, slot, kv_head, head_dim].
 
@@ -68,6 +81,12 @@ class ModelRunner:
         values for every layer live at the same (block, slot) address, so one
         block table serves all layers.
         """
+        layers = self.model.attention_layers()
+        if hasattr(layers[0], "kv_cache_spec"):  # a layer that says what it caches (MLA)
+            for layer in layers:
+                spec = layer.kv_cache_spec(self.config.dtype)
+                layer.kv_cache = spec.allocate(num_blocks, self.block_size, self.device)
+            return torch.empty(0)
         c = self.config.hf_config
         shape = (
             2,
@@ -105,6 +124,10 @@ class ModelRunner:
         return cfg.max_model_len
 
     def block_bytes(self) -> int:
+        layers = self.model.attention_layers()
+        if hasattr(layers[0], "kv_cache_spec"):
+            specs = [layer.kv_cache_spec(self.config.dtype) for layer in layers]
+            return sum(spec.block_bytes(self.block_size) for spec in specs)
         c = self.config.hf_config
         itemsize = torch.empty(0, dtype=self.config.dtype).element_size()
         return (

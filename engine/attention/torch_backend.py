@@ -84,6 +84,23 @@ class TorchBackend:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
+    def mla_decode(
+        self, q: torch.Tensor, cache: torch.Tensor, rank: int, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Absorbed MLA decode (engine/layers/mla.py): q [decodes, heads, rank + rope]
+        over the paged latents [blocks, block_size, rank + rope], which serve as one
+        KV head shared by every query head, with their first rank numbers as values.
+        Returns [decodes, heads, rank]."""
+        out = q.new_empty(*q.shape[:2], rank)
+        for rows, tables, valid in meta.prepared["decode"]:
+            latents = gather_blocks(cache, tables, self._buffer("latent", cache, tables))
+            latents = latents[:, None]  # [seqs, 1, L, rank + rope]: the one KV head
+            o = F.scaled_dot_product_attention(
+                q[rows][:, None], latents, latents[..., :rank], attn_mask=valid, scale=scale
+            )
+            out[rows] = o[:, 0]
+        return out
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim],
         already stored in the cache. The result has q's shape."""

@@ -39,6 +39,11 @@ class TritonBackend:
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self.kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
+    def mla_decode(self, q, cache, rank: int, meta: AttentionMetadata, scale: float):
+        d = meta.num_decodes
+        tables, lens = meta.block_tables[:d], meta.context_lens[:d]
+        return self.kernels.paged_mla_decode(q, cache, tables, lens, rank, scale)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         out = torch.empty_like(q)
         d = meta.num_decodes

@@ -1,6 +1,6 @@
 """The whole engine on the Triton backend, under Triton's interpreter on CPU:
-the same greedy tokens as the torch reference backend, through plain prefill,
-chunked prefill, prefix-cache hits and decode."""
+the same greedy tokens as the torch reference backend and as transformers, through
+plain prefill, chunked prefill, prefix-cache hits and decode."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ SCRIPT = textwrap.dedent(
         stats = llm.stats
         assert stats.partial_prefills > 0 and stats.prefix_cache_hit_tokens > 0, stats
     assert outputs["torch"] == outputs["triton"], outputs
+    from transformers import AutoModelForCausalLM
+    from tests.engine.conftest import hf_greedy
+
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert outputs["triton"] == [hf_greedy(hf, p, 8) for p in prompts]
     print("identical", len(prompts))
     """
 )
@@ -48,8 +53,9 @@ def run(script: str, *args: str, interpret: bool) -> subprocess.CompletedProcess
     )
 
 
-def test_triton_backend_matches_torch_backend(qwen3) -> None:
-    proc = run(SCRIPT, str(qwen3[0]), interpret=True)
+@pytest.mark.parametrize("model", ["qwen3", "deepseek"])  # deepseek: the MLA decode kernel
+def test_triton_backend_matches_torch_backend(model, request) -> None:
+    proc = run(SCRIPT, str(request.getfixturevalue(model)[0]), interpret=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "identical 6"
 
