@@ -6,6 +6,7 @@
 #                  the prose's numbers and names, plots, and the edition manifest
 #   make regen     rewrite every recorded output, plot and the edition manifest (nothing else writes)
 #   make lint      ruff check and ruff format --check
+#   make pdf       the site with the whole book as one PDF in it: site/inside-deepinfer.pdf
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -21,7 +22,7 @@ export CHROMIUM ?= /usr/bin/chromium
 # Material prints a notice about MkDocs 2 on every build; the book pins MkDocs 1.
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: serve build test snippets regen lint chromium clean
+.PHONY: serve build test snippets regen lint chromium clean pdf
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,11 @@ $(BIN)/python:
 # The site alone: what `make serve` and `make build` need, and no torch.
 $(VENV)/.docs: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --group docs
+	touch $@
+
+# The site and what prints it to PDF (Playwright); still no torch.
+$(VENV)/.pdf: pyproject.toml $(VENV)/.docs
+	$(BIN)/pip install -q --group docs --group pdf
 	touch $@
 
 # Everything: the engine (editable), torch, triton, the test-only oracle and tools.
@@ -43,6 +49,12 @@ serve: $(VENV)/.docs
 
 build: $(VENV)/.docs
 	$(BIN)/mkdocs build --strict
+
+# Builds the site into site/ with its print page, and prints that page with
+# Chromium to site/inside-deepinfer.pdf, which every page's footer then links.
+# A plain `make build` has neither the print page nor the link.
+pdf: $(VENV)/.pdf chromium
+	$(BIN)/python docs/tools/pdf.py --site-dir site
 
 # The browser test drives a system Chromium; install it when it is missing and
 # we may (root), as on a fresh CI machine.

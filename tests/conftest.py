@@ -1,9 +1,19 @@
-"""Shared test helpers: the repository root and the snippet runner."""
+"""Shared test helpers: the repository root, the snippet runner, and the built site."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -11,9 +21,48 @@ ARTIFACTS = ROOT / "test-artifacts"
 
 def load_runner():
     """snippets/_runner.py is a script, not a package; load it by path."""
-    spec = importlib.util.spec_from_file_location(
-        "snippet_runner", ROOT / "snippets" / "_runner.py"
-    )
+    return load_script(ROOT / "snippets" / "_runner.py", "snippet_runner")
+
+
+def load_script(path: Path, name: str):
+    """Import a file that is not in a package; registered, so dataclasses in it work."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002
+        pass
+
+
+@dataclass(frozen=True)
+class Site:
+    url: str  # where it is served, ending in /
+    path: Path  # the built files
+
+
+def environ_without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory) -> Iterator[Site]:
+    """The book, built once with `mkdocs build --strict` and served on 127.0.0.1."""
+    out = tmp_path_factory.mktemp("site")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=out))
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    # Instant navigation only follows links whose origin matches the sitemap's,
+    # so the site is built for the port it is served on.
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
+        cwd=ROOT,
+        check=True,
+        env={**environ_without("BOOK_PDF"), "NO_MKDOCS_2_WARNING": "1", "SITE_URL": url},
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield Site(url, out)
+    server.shutdown()

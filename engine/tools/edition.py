@@ -156,9 +156,13 @@ def _names_in(tree: ast.Module) -> set[str]:
                         continue
                     if isinstance(node, ast.Name):  # a local the prose may point at
                         names.add(f"{qual}.{node.id}")
-                    elif in_class and isinstance(node, ast.Attribute):
-                        if isinstance(node.value, ast.Name) and node.value.id == "self":
-                            names.add(prefix + node.attr)
+                    elif (
+                        in_class
+                        and isinstance(node, ast.Attribute)
+                        and isinstance(node.value, ast.Name)
+                        and node.value.id == "self"
+                    ):
+                        names.add(prefix + node.attr)
             elif isinstance(stmt, ast.Assign | ast.AnnAssign):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 for t in targets:

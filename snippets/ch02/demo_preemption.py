@@ -1,17 +1,20 @@
 """Demo: a KV cache too small for the batch. Requests are preempted and resumed,
 none is lost, and every output equals a run with room to spare.
 
-Six short prompts that will each grow by 40 generated tokens share a cache of
-11 blocks of 16 tokens, 176 slots, fewer than the six need by the end. The demo
-drives the engine step by step and reports each status change: a running
-request sent back to the queue (preempted, its blocks freed) and a waiting one
-that comes back (resumed, recomputing what is not still in the prefix cache).
+Six short prompts that will each grow by MAX_TOKENS generated tokens share a
+cache of NUM_BLOCKS blocks of BLOCK_SIZE tokens, fewer slots than the six need
+by the end. The demo drives the engine step by step and reports, in the order
+the scheduler acted, each request it sent back to the queue (preempted, its
+blocks freed) and each one it brought back (resumed, recomputing what is not
+still in the prefix cache). Then it runs the same requests in ROOMY_BLOCKS blocks.
 """
+
+from __future__ import annotations
 
 import os
 
 from engine import LLM, SamplingParams
-from engine.sequence import SequenceStatus
+from engine.llm_engine import LLMEngine
 
 MODEL = os.environ.get("DEEPINFER_DEMO_MODEL", "snippets/models/deepinfer-tiny")
 PROMPTS = [
@@ -22,49 +25,110 @@ PROMPTS = [
     "# Experiment 5",
     "return tokens",
 ]
-params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+BLOCK_SIZE = 16
+NUM_BLOCKS = 11
+ROOMY_BLOCKS = 256
+MAX_TOKENS = 40
 
-tight = LLM(MODEL, block_size=16, num_kv_blocks=11)
-engine = tight.llm_engine
-names = [f"r{i}" for i in range(len(PROMPTS))]
-for name, prompt in zip(names, PROMPTS):
-    engine.add_request(name, prompt, params)
 
-status = {name: SequenceStatus.WAITING for name in names}
-kept: dict[str, int] = {}  # tokens a preempted request held when it gave way
-outputs, step = {}, 0
-while engine.has_unfinished_requests():
-    for out in engine.step():
-        if out.finished:
-            outputs[out.request_id] = out
-    step += 1
-    for name in names:
-        seq = engine.requests.get(name)
-        if seq is None:
-            continue
-        was, now = status[name], seq.status
-        if was is SequenceStatus.RUNNING and now is SequenceStatus.WAITING:
-            kept[name] = seq.num_tokens
-            print(
-                f"step {step:>3}: preempted {name}, its {seq.num_tokens} tokens kept, its blocks freed"
-            )
-        elif was is SequenceStatus.WAITING and now is SequenceStatus.RUNNING and name in kept:
-            print(
-                f"step {step:>3}: resumed {name}, {seq.num_cached_tokens} of its {kept.pop(name)} "
-                "tokens still in the prefix cache, the rest recomputed"
-            )
-        status[name] = now
+# The one place this demo reads the engine's internals.
+def watch_scheduler(engine: LLMEngine) -> list[list[tuple[str, str, int, int]]]:
+    """Record what the scheduler does in each step, in the order it does it:
+    ("preempted" or "resumed", request id, its tokens, tokens found in the
+    prefix cache). One list per step, appended as the engine steps.
 
-roomy = LLM(MODEL, block_size=16, num_kv_blocks=256)
-reference = roomy.generate(PROMPTS, params, use_tqdm=False)
+    TODO(order): the engine reports no events, and a step's outputs cannot tell
+    which of two requests preempted in one step went first. Until it has an event
+    log, this wraps Scheduler.schedule and reads its SchedulerOutput, whose
+    `preempted` list is in the order the scheduler chose its victims."""
+    scheduler, log = engine.scheduler, []
+    schedule = scheduler.schedule
 
-print()
-print(
-    f"steps: {step}, preemptions: {tight.stats.preemptions}, finished: {len(outputs)} of {len(PROMPTS)}"
-)
-print(
-    f"tokens computed: {tight.stats.prefill_tokens + tight.stats.decode_tokens} with 11 blocks, "
-    f"{roomy.stats.prefill_tokens + roomy.stats.decode_tokens} with 256"
-)
-same = all(outputs[n].token_ids == r.token_ids for n, r in zip(names, reference))
-print(f"every output identical to the run with 256 blocks: {same}")
+    def schedule_and_record():
+        waiting = set(map(id, scheduler.waiting))
+        out = schedule()
+        events = [("preempted", s.request_id, s.num_tokens, 0) for s in out.preempted]
+        for item in out.scheduled:  # running sequences first, then admissions
+            seq = item.seq
+            if id(seq) in waiting and seq.num_preemptions:
+                events.append(("resumed", seq.request_id, seq.num_tokens, seq.num_cached_tokens))
+        log.append(events)
+        return out
+
+    scheduler.schedule = schedule_and_record
+    return log
+
+
+def run_to_completion(llm: LLM, names: list[str], params: SamplingParams) -> dict:
+    engine = llm.llm_engine
+    for name, prompt in zip(names, PROMPTS):
+        engine.add_request(name, prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    return outputs
+
+
+def main() -> dict:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    names = [f"r{i}" for i in range(len(PROMPTS))]
+    tight = LLM(MODEL, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+    log = watch_scheduler(tight.llm_engine)
+    outputs = run_to_completion(tight, names, params)
+
+    grown = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs.values())
+    slots = NUM_BLOCKS * BLOCK_SIZE
+    print(f"{len(PROMPTS)} requests grow to {grown} tokens in all;")
+    print(f"  the cache has {NUM_BLOCKS} blocks of {BLOCK_SIZE}, {slots} slots")
+    print()
+    results: dict = {}
+    order: dict[str, list] = {"preempted": [], "resumed": []}
+    for step, events in enumerate(log, 1):
+        for kind, name, tokens, cached in events:
+            nth = sum(n == name for n in order[kind])  # earlier events of this kind
+            key = f"{name}_{kind}" + (f"_{nth + 1}" if nth else "")
+            order[kind].append(name)
+            results[f"{key}_step"] = step
+            if kind == "preempted":
+                print(f"step {step:>3}: preempted {name} ({tokens} tokens), its blocks freed")
+            else:
+                print(f"step {step:>3}: resumed {name}, {cached} of its {tokens} tokens cached")
+                results[f"{key}_cached"] = cached
+                results[f"{key}_tokens"] = tokens
+
+    roomy = LLM(MODEL, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS)
+    reference = run_to_completion(roomy, names, params)
+    computed_tight, computed_roomy = (
+        llm.stats.prefill_tokens + llm.stats.decode_tokens for llm in (tight, roomy)
+    )
+    same = all(outputs[n].token_ids == reference[n].token_ids for n in names)
+    print()
+    print(f"steps: {len(log)}, preemptions: {tight.stats.preemptions},")
+    print(f"  finished: {len(outputs)} of {len(PROMPTS)}")
+    print("tokens computed:")
+    print(f"  {computed_tight} with {NUM_BLOCKS} blocks, {computed_roomy} with {ROOMY_BLOCKS}")
+    print(f"every output identical to the run with {ROOMY_BLOCKS} blocks: {same}")
+    return {
+        "requests": len(PROMPTS),
+        "max_tokens": MAX_TOKENS,
+        "block_size": BLOCK_SIZE,
+        "num_blocks": NUM_BLOCKS,
+        "roomy_blocks": ROOMY_BLOCKS,
+        "slots": slots,
+        "tokens_at_end": grown,
+        "preempted_order": order["preempted"],
+        "resumed_order": order["resumed"],
+        **results,
+        "steps": len(log),
+        "preemptions": tight.stats.preemptions,
+        "finished": len(outputs),
+        "computed_tight": computed_tight,
+        "computed_roomy": computed_roomy,
+        "same_outputs": same,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -12,26 +12,30 @@ unused tail of the last block). The pool holds POOL token slots; how many of
 the stream's requests, at their longest, fit in it at once?
 """
 
+from __future__ import annotations
+
 import random
 
 SEED = 0
 REQUESTS = 1000
 MAX_LEN = 4096  # the most tokens a request may reach: prompt plus output
+MIN_PROMPT = MIN_OUTPUT = 1
 MAX_PROMPT = MAX_OUTPUT = 2048
 BLOCK = 16
-POOL = 65536  # token slots: 8 GiB of KV cache at Llama-3-8B's 128 KiB per token
+POOL = 65536  # token slots: 8 GiB of KV cache at Llama-3.1-8B's 128 KiB per token
 SCHEMES = {  # name: block size, None for one contiguous slab of MAX_LEN
     f"contiguous, {MAX_LEN}": None,
-    "paged, block 16": BLOCK,
-    "paged, block 64": 64,
-    "paged, block 256": 256,
+    **{f"paged, block {b}": b for b in (BLOCK, 64, 256)},
 }
+LENGTH_GROUPS = [(1, 512), (513, 1024), (1025, 2048), (2049, 4096)]  # by final length
 
 
 def request_lengths(seed: int = SEED, n: int = REQUESTS) -> list[int]:
     """Final length (prompt + output) of each request in the stream."""
     rng = random.Random(seed)
-    return [rng.randint(1, MAX_PROMPT) + rng.randint(1, MAX_OUTPUT) for _ in range(n)]
+    return [
+        rng.randint(MIN_PROMPT, MAX_PROMPT) + rng.randint(MIN_OUTPUT, MAX_OUTPUT) for _ in range(n)
+    ]
 
 
 def reserved(length: int, block: int | None) -> int:
@@ -56,29 +60,49 @@ def fit_in_pool(lengths: list[int], block: int | None) -> int:
     return count
 
 
-def main() -> None:
+def main() -> dict:
     lengths = request_lengths()
     used = sum(lengths)
-    print(
-        f"{REQUESTS:,} requests, prompt 1-{MAX_PROMPT} and output 1-{MAX_OUTPUT} tokens, seed {SEED}"
-    )
+    print(f"{REQUESTS:,} requests, seed {SEED}: prompt {MIN_PROMPT}-{MAX_PROMPT}")
+    print(f"  and output {MIN_OUTPUT}-{MAX_OUTPUT} tokens, at most {MAX_LEN:,} in all")
     print(f"mean length {used / REQUESTS:,.0f} tokens; pool of {POOL:,} token slots")
     print()
-    print(f"{'scheme':<22} {'reserved':>10} {'used':>10} {'wasted':>7} {'fit in pool':>12}")
+    print(f"{'scheme':<17} {'reserved':>10} {'used':>10} {'wasted':>7} {'fit':>4}")
+    results: dict = {}
     for name, block in SCHEMES.items():
         total = sum(reserved(n, block) for n in lengths)
-        print(
-            f"{name:<22} {total:>10,} {used:>10,} {1 - used / total:>7.1%} {fit_in_pool(lengths, block):>12}"
-        )
+        fit = fit_in_pool(lengths, block)
+        print(f"{name:<17} {total:>10,} {used:>10,} {1 - used / total:>7.1%} {fit:>4}")
+        key = "contiguous" if block is None else f"paged_{block}"
+        results[f"{key}_waste"] = 1 - used / total
+        results[f"{key}_fit"] = fit
+    print("(fit: requests, at their longest,")
+    print(" that fit in the pool at once)")
     print()
-    print("waste by request length, contiguous vs paged (block 16)")
-    for low, high in [(1, 512), (513, 1024), (1025, 2048), (2049, 4096)]:
+    print(f"waste by request length, contiguous vs paged (block {BLOCK})")
+    for i, (low, high) in enumerate(LENGTH_GROUPS):
         group = [n for n in lengths if low <= n <= high]
         slab = sum(waste(n, None) for n in group) / len(group)
         paged = sum(waste(n, BLOCK) for n in group) / len(group)
-        print(
-            f"  {low:>5}-{high:<5} tokens: {len(group):>3} requests, {slab:>6.1%} vs {paged:>5.2%}"
-        )
+        print(f"{low:>6}-{high:<5} tokens: {len(group):>4} requests, {slab:>6.1%} vs {paged:>5.2%}")
+        results[f"group_{i + 1}_range"] = f"{low:,}-{high:,}"
+        results[f"group_{i + 1}_requests"] = len(group)
+        results[f"group_{i + 1}_contiguous_waste"] = slab
+        results[f"group_{i + 1}_paged_waste"] = paged
+    return {
+        "seed": SEED,
+        "requests": REQUESTS,
+        "max_len": MAX_LEN,
+        "max_prompt": MAX_PROMPT,
+        "max_output": MAX_OUTPUT,
+        "pool": POOL,
+        "block": BLOCK,
+        "largest_block": max(b for b in SCHEMES.values() if b is not None),
+        "mean_length": used / REQUESTS,
+        "shortest_group_max": LENGTH_GROUPS[0][1],
+        "paged_max_empty_slots": BLOCK - 1,
+        **results,
+    }
 
 
 if __name__ == "__main__":

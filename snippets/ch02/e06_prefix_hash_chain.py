@@ -11,6 +11,8 @@ blocks they need with and without reuse, then change a single early token and
 see how far the change travels down the chain.
 """
 
+from __future__ import annotations
+
 import hashlib
 import random
 
@@ -19,6 +21,13 @@ BLOCK = 16
 VOCAB = 32000
 SYSTEM = 200  # tokens of shared system prompt
 N = 8  # requests
+QUESTION = (20, 120)  # each request's own tokens after the system prompt: fewest, most
+HEX = 4  # hex digits shown of each hash
+SHOWN_REQUESTS = 4  # requests whose chains are printed
+SHOWN_BLOCKS = range(8, 16)  # the blocks around the end of the system prompt
+EDITED = 0  # the request whose tokens are changed, one at a time...
+EDITS = (3, 100)  # ...at these positions
+EDIT_BLOCKS = range(3, 11)  # the blocks shown before and after each change
 
 
 def block_hashes(tokens: list[int]) -> list[str]:
@@ -35,29 +44,30 @@ def block_hashes(tokens: list[int]) -> list[str]:
 def make_requests(seed: int = SEED) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(VOCAB) for _ in range(SYSTEM)]
-    return [system + [rng.randrange(VOCAB) for _ in range(rng.randint(20, 120))] for _ in range(N)]
+    return [
+        system + [rng.randrange(VOCAB) for _ in range(rng.randint(*QUESTION))] for _ in range(N)
+    ]
 
 
-def show(label: str, hashes: list[str], first: int, last: int) -> None:
-    """The first 6 hex digits of blocks first..last of a chain."""
-    cells = [hashes[i][:6] if i < len(hashes) else "-" for i in range(first, last + 1)]
-    print(f"{label:<10} " + " ".join(f"{c:>6}" for c in cells))
+def show(label: str, hashes: list[str], blocks: range) -> None:
+    """The first HEX hex digits of the chosen blocks of a chain ("-" past its end)."""
+    cells = [hashes[i][:HEX] if i < len(hashes) else "-" for i in blocks]
+    print(f"{label:<10}" + "".join(f"{c:>{HEX + 1}}" for c in cells))
 
 
-def main() -> None:
+def main() -> dict:
     requests = make_requests()
     chains = [block_hashes(r) for r in requests]
-    print(
-        f"{N} requests: a {SYSTEM}-token system prompt, then 20-120 tokens each; blocks of {BLOCK}"
-    )
-    print(
-        f"the system prompt fills {SYSTEM // BLOCK} full blocks and {SYSTEM % BLOCK} tokens of the next"
-    )
+    print(f"{N} requests: a {SYSTEM}-token system prompt, then")
+    print(f"  {QUESTION[0]}-{QUESTION[1]} tokens of their own; blocks of {BLOCK}")
+    print(f"the system prompt fills {SYSTEM // BLOCK} full blocks")
+    print(f"  and {SYSTEM % BLOCK} tokens of the next")
     print()
-    print("first 6 hex digits of each block's hash, blocks 8 to 15:")
-    print(f"{'block':<10} " + " ".join(f"{i:>6}" for i in range(8, 16)))
-    for i, chain in enumerate(chains[:4]):
-        show(f"request {i}", chain, 8, 15)
+    print(f"first {HEX} hex digits of each block's hash,")
+    print(f"  blocks {SHOWN_BLOCKS[0]} to {SHOWN_BLOCKS[-1]}:")
+    print(f"{'block':<10}" + "".join(f"{i:>{HEX + 1}}" for i in SHOWN_BLOCKS))
+    for i, chain in enumerate(chains[:SHOWN_REQUESTS]):
+        show(f"request {i}", chain, SHOWN_BLOCKS)
     print()
     total = sum(len(c) for c in chains)
     unique = len({h for c in chains for h in c})
@@ -65,20 +75,48 @@ def main() -> None:
         all(len(c) > i and c[i] == chains[0][i] for c in chains) for i in range(len(chains[0]))
     )
     print(f"blocks shared by all {N} requests: {shared}")
-    print(f"full blocks needed: {total} without reuse, {unique} with it; {total - unique} saved")
-    print()
-    for position in (3, 100):
-        edited = list(requests[0])
+    print(f"full blocks needed: {total} without reuse, {unique} with it")
+    print(f"  saved: {total - unique}")
+    results: dict = {}
+    for n, position in enumerate(EDITS, 1):
+        edited = list(requests[EDITED])
         edited[position] = (edited[position] + 1) % VOCAB
         new = block_hashes(edited)
-        changed = [a != b for a, b in zip(chains[0], new)]
+        changed = [a != b for a, b in zip(chains[EDITED], new)]
         first = changed.index(True)
-        print(f"change token {position} (block {position // BLOCK}) of request 0:")
-        print(f"{'  block':<10} " + " ".join(f"{i:>6}" for i in range(3, 11)))
-        show("  before", chains[0], 3, 10)
-        show("  after", new, 3, 10)
-        kept = f"blocks 0-{first - 1} unchanged" if first else "no block unchanged"
+        print()
+        print(f"change token {position} (block {position // BLOCK}) of request {EDITED}:")
+        print(f"{'  block':<10}" + "".join(f"{i:>{HEX + 1}}" for i in EDIT_BLOCKS))
+        show("  before", chains[EDITED], EDIT_BLOCKS)
+        show("  after", new, EDIT_BLOCKS)
+        kept = f"the first {first} unchanged" if first else "none unchanged"
         print(f"  blocks {first}-{len(new) - 1} changed ({sum(changed)} of {len(new)}), {kept}")
+        results.update(
+            {
+                f"edit_{n}_token": position,
+                f"edit_{n}_block": position // BLOCK,
+                f"edit_{n}_first_changed": first,
+                f"edit_{n}_last_changed": len(new) - 1,
+                f"edit_{n}_changed": sum(changed),
+                f"edit_{n}_unchanged": len(new) - sum(changed),
+                f"edit_{n}_last_unchanged": first - 1,
+            }
+        )
+    return {
+        "requests": N,
+        "system_tokens": SYSTEM,
+        "block": BLOCK,
+        "system_full_blocks": SYSTEM // BLOCK,
+        "system_tail_tokens": SYSTEM % BLOCK,
+        "system_full_block_tokens": SYSTEM // BLOCK * BLOCK,
+        "first_own_block": SYSTEM // BLOCK,
+        "shared_blocks": shared,
+        "blocks_without_reuse": total,
+        "blocks_with_reuse": unique,
+        "blocks_saved": total - unique,
+        "edited_request_blocks": len(chains[EDITED]),
+        **results,
+    }
 
 
 if __name__ == "__main__":

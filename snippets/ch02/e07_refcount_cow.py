@@ -12,6 +12,8 @@ block tables and asserts they match the stored counts, and that no block on the
 free list is still referenced.
 """
 
+from __future__ import annotations
+
 import random
 from collections import Counter
 
@@ -19,6 +21,7 @@ SEED = 0
 BLOCK = 4
 POOL = 32
 PROMPT = 10
+SAMPLES = 4  # parallel sampling: s0 and its forks s1, s2, s3
 RANDOM_OPS = 16
 
 
@@ -82,7 +85,7 @@ class BlockPool:
         self.checks += 1
 
 
-def run(seed: int = SEED) -> BlockPool:
+def run(seed: int = SEED) -> tuple[BlockPool, dict]:
     rng = random.Random(seed)
     pool = BlockPool(POOL)
 
@@ -99,11 +102,13 @@ def run(seed: int = SEED) -> BlockPool:
     for _ in range(PROMPT):
         pool.append("s0", rng.randrange(100))
     step("prompt", "s0", f"{PROMPT} tokens")
-    for child in ("s1", "s2", "s3"):  # parallel sampling: four samples of one prompt
+    samples = [f"s{i}" for i in range(SAMPLES)]
+    for child in samples[1:]:  # parallel sampling: SAMPLES samples of one prompt
         step("fork", child, pool.fork("s0", child))
-    for seq in ("s0", "s1", "s2", "s3"):
+    for seq in samples:
         step("append", seq, pool.append(seq, rng.randrange(100)))
-    names = 4
+    first_copies = pool.copies  # made by the first append of each sample
+    names = SAMPLES
     for _ in range(RANDOM_OPS):
         live = sorted(pool.tables)
         seq, roll = rng.choice(live), rng.random()
@@ -114,21 +119,34 @@ def run(seed: int = SEED) -> BlockPool:
             free(seq)
         else:
             step("append", seq, pool.append(seq, rng.randrange(100)))
-    for seq in sorted(pool.tables):
+    last = sorted(pool.tables)
+    for seq in last:
         free(seq)
-    return pool
+    return pool, {"copies_in_first_appends": first_copies, "last_freed": last[-1]}
 
 
-def main() -> None:
-    print(f"pool of {POOL} blocks of {BLOCK} tokens; refs shown as block:count for the sequence")
+def main() -> dict:
+    print(f"pool of {POOL} blocks of {BLOCK} tokens;")
+    print("refs shown as block:count for the sequence's blocks")
     print()
-    pool = run()
+    pool, results = run()
     print()
     print(f"copies made by copy-on-write: {pool.copies}")
-    print(
-        f"invariant checks passed: {pool.checks} (stored refs = live references; free = unreferenced)"
-    )
+    print(f"invariant checks passed: {pool.checks}")
+    print("  (stored refs = live references; free = unreferenced)")
     print(f"blocks free at the end: {len(pool.free)} of {POOL}")
+    return {
+        "pool": POOL,
+        "block": BLOCK,
+        "prompt_tokens": PROMPT,
+        "prompt_full_blocks": PROMPT // BLOCK,
+        "samples": SAMPLES,
+        "forks": SAMPLES - 1,
+        "copies": pool.copies,
+        "checks": pool.checks,
+        "free_at_end": len(pool.free),
+        **results,
+    }
 
 
 if __name__ == "__main__":

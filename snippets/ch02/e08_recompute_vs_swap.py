@@ -13,8 +13,12 @@ Both costs are times at a stated rate, for two models from published configs.
 The rates are published peaks, and it is an assumption that either is reached.
 """
 
+from __future__ import annotations
+
 # Published, not measured. Assumed to be reached, which neither is in practice.
+GPU = "H200 SXM"
 PREFILL_FLOP_PER_S = 989e12  # H200 SXM dense BF16 (NVIDIA), as in Experiment 2
+LINK = "PCIe Gen5 x16"
 PCIE_BYTES_PER_S = 64e9  # PCIe Gen5 x16, per direction (PCI-SIG: 32 GT/s per lane)
 
 # name: parameters (published model size), attention width (heads x head_dim),
@@ -23,10 +27,12 @@ PCIE_BYTES_PER_S = 64e9  # PCIe Gen5 x16, per direction (PCI-SIG: 32 GT/s per la
 MODELS = {
     # Qwen/Qwen3-0.6B: 28 layers, 16 query heads, 8 KV heads, head_dim 128.
     "Qwen3-0.6B": (0.6e9, 16 * 128, 28, 28 * 8 * 128 * 2 * 2),
-    # meta-llama/Meta-Llama-3-8B: 32 layers, 32 query heads, 8 KV heads, head_dim 128.
-    "Llama-3-8B": (8.0e9, 32 * 128, 32, 32 * 8 * 128 * 2 * 2),
+    # meta-llama/Llama-3.1-8B: 32 layers, 32 query heads, 8 KV heads, head_dim 128.
+    "Llama-3.1-8B": (8.0e9, 32 * 128, 32, 32 * 8 * 128 * 2 * 2),
 }
+SLUGS = {"Qwen3-0.6B": "qwen", "Llama-3.1-8B": "llama"}  # result names
 CONTEXTS = [1024, 4096, 16384, 32768, 65536]
+PROBE_CONTEXT = 4096  # a context the chapter asks about
 
 
 def recompute_s(model: str, context: int, flop_rate: float = PREFILL_FLOP_PER_S) -> float:
@@ -50,37 +56,60 @@ def break_even(
     return int(tokens) + 1 if tokens > 0 else None
 
 
-def main() -> None:
-    print("assumed rates (published peaks): prefill 989 TFLOP/s (H200 dense BF16),")
-    print("PCIe 64 GB/s per direction (Gen5 x16); swap = out + back in")
+def main() -> dict:
+    print("assumed rates (published peaks):")
+    print(f"  prefill {PREFILL_FLOP_PER_S / 1e12:.0f} TFLOP/s ({GPU}, dense BF16)")
+    print(f"  {LINK}: {PCIE_BYTES_PER_S / 1e9:.0f} GB/s per direction")
+    print("  swap = out to host memory and back in")
+    results: dict = {}
     for name, (params, _, layers, kv) in MODELS.items():
-        print(
-            f"{name}: {params / 1e9:.1f}e9 parameters, {layers} layers, {kv:,} KV bytes per token"
-        )
+        print(f"{name}: {params / 1e9:.1f}B parameters, {layers} layers,")
+        print(f"  {kv:,} KV bytes per token")
+        slug = SLUGS[name]
+        results.update({f"{slug}_params_billion": params / 1e9, f"{slug}_kv_bytes": kv})
+        # Per token, before attention: 2P FLOPs to recompute, 2K bytes to swap.
+        results[f"{slug}_recompute_us_per_token"] = 2 * params / PREFILL_FLOP_PER_S * 1e6
+        results[f"{slug}_swap_us_per_token"] = 2 * kv / PCIE_BYTES_PER_S * 1e6
     print()
-    print(f"{'context':>7} " + " ".join(f"{m + ' recompute':>21} {'swap':>8}" for m in MODELS))
+    print((f"{'':>7}" + "".join(f"{m:^21}" for m in MODELS)).rstrip())
+    print(f"{'context':>7}" + f"{'recompute':>12}{'swap':>9}" * len(MODELS))
     for context in CONTEXTS:
-        cells = " ".join(
-            f"{recompute_s(m, context) * 1e3:>18,.1f} ms {swap_s(m, context) * 1e3:>5.1f} ms"
-            for m in MODELS
-        )
-        print(f"{context:>7,} {cells}")
+        cells = ""
+        for m in MODELS:
+            recompute, swap = recompute_s(m, context) * 1e3, swap_s(m, context) * 1e3
+            cells += f"{recompute:>9,.1f} ms{swap:>6.1f} ms"
+            results[f"{SLUGS[m]}_recompute_ms_{context}"] = recompute
+            results[f"{SLUGS[m]}_swap_ms_{context}"] = swap
+        print(f"{context:>7,}{cells}")
+    print("(ms to bring one request's context back)")
     print()
     cases = [
-        ("at the assumed rates", PREFILL_FLOP_PER_S, PCIE_BYTES_PER_S),
-        ("if prefill reaches half the peak", PREFILL_FLOP_PER_S / 2, PCIE_BYTES_PER_S),
-        ("if PCIe reaches half its rate", PREFILL_FLOP_PER_S, PCIE_BYTES_PER_S / 2),
+        ("at the assumed rates", "", PREFILL_FLOP_PER_S, PCIE_BYTES_PER_S),
+        (
+            "if prefill reaches half the peak",
+            "_half_prefill",
+            PREFILL_FLOP_PER_S / 2,
+            PCIE_BYTES_PER_S,
+        ),
+        ("if PCIe reaches half its rate", "_half_pcie", PREFILL_FLOP_PER_S, PCIE_BYTES_PER_S / 2),
     ]
-    for label, flops, pcie in cases:
+    for label, suffix, flops, pcie in cases:
         print(f"break-even {label}:")
         for model in MODELS:
             tokens = break_even(model, flops, pcie)
-            verdict = (
-                f"recompute below {tokens:,} tokens, swap above"
-                if tokens
-                else "swap at every length"
-            )
-            print(f"  {model:<11} {verdict}")
+            verdict = f"recompute below {tokens:,} tokens" if tokens else "swap at every length"
+            print(f"  {model:<12} {verdict}")
+            if tokens:
+                results[f"{SLUGS[model]}_break_even{suffix}"] = tokens
+            results[f"{SLUGS[model]}_verdict{suffix}"] = verdict
+    return {
+        "gpu": GPU,
+        "prefill_tflop_per_s": PREFILL_FLOP_PER_S / 1e12,
+        "link": LINK,
+        "pcie_gb_per_s": PCIE_BYTES_PER_S / 1e9,
+        "probe_context": PROBE_CONTEXT,
+        **results,
+    }
 
 
 if __name__ == "__main__":

@@ -1,0 +1,366 @@
+"""The prose itself: no result typed by hand, no engine name that the engine lacks,
+and a Preface whose chapter status tells the truth.
+
+A number in a paragraph that equals a value some snippet printed or returned
+must be a placeholder ({{ result(...) }}, see engine/tools/results.py), or be
+listed below with the reason it may stay literal. A name in backticks, or a
+code-like name in a Mermaid diagram, must resolve in engine/ through the same
+lookup the excerpts use, unless it names something outside the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from engine.tools.edition import defined_names, resolves, strip_html_comments
+from engine.tools.results import PLACEHOLDER
+from tests.conftest import ROOT
+
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+IDS = [p.relative_to(ROOT / "docs").as_posix() for p in PAGES]
+
+# ------------------------------------------------------------------ numbers
+
+# (page, number as written) -> why it may stay literal. Cited external figures
+# outside a claim-deepseek box, and worked arithmetic that is not in math.
+CH01, CH02 = "ch01-batching-and-the-kv-cache.md", "ch02-blocks-and-preemption.md"
+CITED_NUMBERS: dict[tuple[str, str], str] = {
+    (CH01, "1,200"): "nano-vllm's size in lines, as its README (linked beside it) gives it",
+    (CH02, "16"): "the PagedAttention paper's block sizes (16 to 64) where swap and recompute "
+    "performed alike, cited in that paragraph; and the fragmentation plot's alt text",
+    (CH02, "64"): "the PagedAttention paper's block sizes (16 to 64), cited in that paragraph",
+    ("ch04-moe.md", "256"): "the plan for Experiment 12: DeepSeek-V3's 256 routed experts "
+    "(n_routed_experts in its config.json), in the not-written-yet box",
+}
+# Owned elsewhere for now, to be bound there: each entry goes when its text is rewritten.
+PENDING_NUMBERS: dict[tuple[str, str], str] = {
+    # Image alt text, which the plots rework replaces (figure captions from the plot script).
+    (CH01, "206"): "decode_roofline.svg's alt text; also the mechanism section (below)",
+    (CH02, "256"): "fragmentation_waste.svg's alt text",
+    # "The mechanism in the engine" of Chapters 1 and 2, being rewritten for the engine
+    # refactor (issue 10); its numbers are bound after that merge.
+    (CH01, "11"): "mechanism section: a slot in the flattened-batch example",
+    (CH01, "32"): "mechanism section: Llama's layers, and Experiment 4's batch",
+    (CH01, "128"): "mechanism section: Llama's head_dim",
+    (CH01, "256"): "mechanism section: the Triton decode kernel's split size",
+    (CH01, "3,815"): "mechanism section: Experiment 4's crossover",
+    (CH01, "16,384"): "mechanism section: Experiment 4's long context",
+    (CH01, "17.6"): "mechanism section: Experiment 4's step time",
+    (CH01, "3.333"): "mechanism section: Experiment 2's step time",
+    (CH02, "12"): "mechanism section: Experiment 6's full blocks of system prompt",
+    (CH02, "192"): "mechanism section: the token after Experiment 6's shared blocks",
+}
+ALLOWED_NUMBERS: dict[tuple[str, str], str] = {**CITED_NUMBERS, **PENDING_NUMBERS}
+
+NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(%?)(?![\w])")
+LABEL = re.compile(
+    r"\b(?:Experiments?|Chapters?|Exercises?|Figures?|Tables?|Appendix|§)"
+    r"\s*\d+(?:\.\d+)?(?:\s*(?:–|-|to|and|,|or)\s*\d+(?:\.\d+)?)*"
+)
+YEAR = re.compile(r"\b(?:19[5-9]\d|20[0-4]\d)\b")
+FENCED = re.compile(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2[ \t]*$", re.M | re.S)
+MATH = re.compile(r"\\\(.*?\\\)|\\\[.*?\\\]|\$\$.*?\$\$", re.S)
+CODE_SPAN = re.compile(r"`[^`\n]+`")
+LINK_TARGET = re.compile(r"\]\([^)]*\)|<https?://[^>]*>|https?://\S+")
+ATTRS = re.compile(r"\{[ :.#][^}]*\}|<[^>]+>")
+DIRECTIVE = re.compile(r"^\s*--8<--.*$", re.M)
+
+
+def without_cited_boxes(markdown: str) -> str:
+    """Blank out claim-deepseek admonitions: their figures are cited, by design."""
+    out, skipping = [], False
+    for line in markdown.splitlines():
+        if re.match(r"^\s*(!!!|\?\?\?\+?) claim-deepseek\b", line):
+            skipping = True
+            out.append("")
+            continue
+        if skipping and (not line.strip() or line.startswith("    ")):
+            out.append("")
+            continue
+        skipping = False
+        out.append(line)
+    return "\n".join(out)
+
+
+def prose(markdown: str) -> str:
+    """What a reader reads as prose: no code, math, links' targets, placeholders,
+    directives, comments or cited boxes; line breaks kept."""
+    keep_lines = lambda m: "\n" * m[0].count("\n")  # noqa: E731
+    text = strip_html_comments(markdown)
+    text = FENCED.sub(keep_lines, text)
+    text = without_cited_boxes(text)
+    for pattern in (DIRECTIVE, PLACEHOLDER, MATH, CODE_SPAN, LINK_TARGET, ATTRS, LABEL, YEAR):
+        text = pattern.sub(lambda m: " " * 0 + "\n" * m[0].count("\n"), text)
+    return text
+
+
+def significant_digits(digits: str) -> int:
+    whole, _, frac = digits.replace(",", "").partition(".")
+    if frac:
+        return len((whole + frac).lstrip("0"))
+    return len(whole.strip("0"))
+
+
+def numbers_in(text: str) -> list[tuple[int, str]]:
+    """(line, number as written) for every number that could be a result:
+    two or more significant digits, or any percentage."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for m in NUMBER.finditer(line):
+            written = m[0]
+            if m[3] or significant_digits(m[1] + (m[2] or "")) >= 2:
+                found.append((number, written))
+    return found
+
+
+def normal(written: str) -> str:
+    return written.replace(",", "")
+
+
+def formatted(value: float) -> set[str]:
+    """The ways prose could write a recorded value."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return set()
+    forms = {str(value)} if isinstance(value, int) else set()
+    for digits in range(4):
+        forms.add(f"{value:.{digits}f}")
+        forms.add(f"{value * 100:.{digits}f}%")
+    return forms
+
+
+@cache
+def recorded_numbers() -> frozenset[str]:
+    """Every number printed in any .out, and every value any results file holds."""
+    found: set[str] = set()
+    for out in ROOT.glob("snippets/ch*/*.out"):
+        found |= {normal(w) for _, w in numbers_in(out.read_text())}
+    for sidecar in ROOT.glob("snippets/ch*/*.json"):
+        for value in json.loads(sidecar.read_text()).values():
+            for v in value if isinstance(value, list) else [value]:
+                found |= formatted(v)
+    return frozenset(found)
+
+
+def typed_results(page: Path) -> list[str]:
+    rel = page.relative_to(ROOT / "docs").as_posix()
+    recorded = recorded_numbers()
+    return [
+        f"docs/{rel}:{line}: {written}"
+        for line, written in numbers_in(prose(page.read_text()))
+        if normal(written) in recorded and (rel, written) not in ALLOWED_NUMBERS
+    ]
+
+
+# The glossary (docs/includes/) defines terms; it states no results.
+PROSE_PAGES = [p for p in PAGES if "includes" not in p.parts]
+
+
+@pytest.mark.parametrize("page", PROSE_PAGES, ids=[p.name for p in PROSE_PAGES])
+def test_no_result_is_typed_by_hand(page: Path) -> None:
+    typed = typed_results(page)
+    assert not typed, (
+        "numbers in the prose that equal a recorded result; write a {{ result(...) }} "
+        "placeholder, or allow them in tests/test_prose.py with the reason:\n" + "\n".join(typed)
+    )
+
+
+def test_the_lint_sees_numbers_and_spares_labels() -> None:
+    text = prose(
+        "Experiment 5 and Chapters 1–2 (2025) show `16` and \\(3 + 4\\) but waste 50.1% in "
+        '1,000 of 3,815 cases; {{ result("ch01/x", "y") }} is 7.\n'
+    )
+    assert [w for _, w in numbers_in(text)] == ["50.1%", "3,815"]
+    assert significant_digits("300") == 1 and significant_digits("0.40") == 2
+
+
+# ------------------------------------------------------------------ names
+
+# Names from outside the engine that pages may quote in backticks or diagrams.
+OUTSIDE_NAMES = {
+    # Python and its standard library
+    "None",
+    "True",
+    "False",
+    "print",
+    "dict",
+    "list",
+    "int",
+    "float",
+    "str",
+    "hashlib",
+    "random",
+    "OrderedDict",
+    "deque",
+    "bisect",
+    "insort",
+    "dataclass",
+    "python",
+    "main",
+    # torch, triton and the libraries the engine loads with
+    "torch",
+    "triton",
+    "tokenizers",
+    "transformers",
+    "safetensors",
+    "tqdm",
+    "mkdocs",
+    "index_select",
+    "index_copy_",
+    "scaled_dot_product_attention",
+    "exponential_",
+    "enable_gqa",
+    "is_causal",
+    "attn_mask",
+    "float32",
+    "bfloat16",
+    "float16",
+    "inference_mode",
+    "torch.compile",
+    "torch.Generator",
+    "manual_seed",
+    "argmax",
+    "softmax",
+    "topk",
+    "DynamicCache",
+    "generate",
+    "AutoModelForCausalLM",
+    "pin_memory",
+    "non_blocking",
+    "CUDAGraph",
+    "cuda",
+    "cpu",
+    # fields of published checkpoints' config.json
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "q_lora_rank",
+    "max_position_embeddings",
+    "rope_scaling",
+    "rope_theta",
+    "eos_token_id",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "tie_word_embeddings",
+    # peers' names, quoted when the book compares
+    "store_kvcache",
+    "slot_mapping",
+    "RadixAttention",
+}
+OUTSIDE_PREFIXES = ("torch.", "F.", "nn.", "tl.", "triton.", "np.", "math.", "random.")
+FILE_SUFFIX = re.compile(r"\.(py|json|md|txt|out|svg|yml|yaml|toml|safetensors|cfg|ipynb)$")
+IDENTIFIER = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(.*\))?$")
+REPO_FOLDERS = ("engine/", "snippets/", "docs/", "tests/", ".github/", ".ci/")
+
+
+@cache
+def engine_names() -> frozenset[str]:
+    return frozenset(defined_names(ROOT))
+
+
+def dangling(ref: str) -> str | None:
+    """Why a quoted name does not resolve, or None when it does (or is not ours)."""
+    ref = ref.strip()
+    if "/" in ref or FILE_SUFFIX.search(ref):
+        path = ref.split()[0].rstrip(":")
+        if "*" in path or "NN" in path:
+            return None  # a pattern, such as snippets/chNN/demo_*.py
+        if path.startswith(REPO_FOLDERS) and not (ROOT / path).exists():
+            return f"{path} does not exist"
+        return None
+    name = ref.split("=")[0] if re.match(r"^\w+=", ref) else ref
+    if not IDENTIFIER.match(name):
+        return None  # a command, an expression, a value: not a name
+    bare = name.split("(")[0]
+    if bare in OUTSIDE_NAMES or bare.startswith(OUTSIDE_PREFIXES):
+        return None
+    if resolves(bare, engine_names()):
+        return None
+    return f"{bare} is defined nowhere in engine/"
+
+
+def code_spans(markdown: str) -> list[tuple[int, str]]:
+    text = FENCED.sub(lambda m: "\n" * m[0].count("\n"), strip_html_comments(markdown))
+    text = DIRECTIVE.sub("", text)
+    return [
+        (number, m[0].strip("`"))
+        for number, line in enumerate(text.splitlines(), 1)
+        for m in CODE_SPAN.finditer(line)
+    ]
+
+
+MERMAID = re.compile(r"^([ \t]*)```mermaid\n(.*?)^\1```", re.M | re.S)
+CODE_LIKE = re.compile(
+    r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?"  # dotted
+    r"|\b[A-Za-z_]\w*\(\)"  # called
+    r"|\b[a-z]+(?:_[a-z0-9]+)+\b"  # snake_case
+    r"|\b[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+\b"  # CamelCase of two humps or more
+)
+
+
+def mermaid_names(markdown: str) -> list[tuple[int, str]]:
+    found = []
+    for block in MERMAID.finditer(strip_html_comments(markdown)):
+        first = markdown[: block.start(2)].count("\n") + 1
+        for offset, line in enumerate(block[2].splitlines()):
+            line = re.sub(r"<br\s*/?>", " ", line)
+            found += [(first + offset, m[0]) for m in CODE_LIKE.finditer(line)]
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_every_engine_name_in_the_prose_exists(page: Path) -> None:
+    rel = page.relative_to(ROOT).as_posix()
+    markdown = page.read_text()
+    problems = [
+        f"{rel}:{line}: `{ref}`: {why}"
+        for line, ref in code_spans(markdown) + mermaid_names(markdown)
+        if (why := dangling(ref))
+    ]
+    assert not problems, (
+        "names the engine does not define (rename them, or add a name from outside the "
+        "engine to OUTSIDE_NAMES in tests/test_prose.py):\n" + "\n".join(problems)
+    )
+
+
+def test_the_name_check_catches_a_rename() -> None:
+    assert dangling("Scheduler.schedule") is None
+    assert dangling("BlockManager.allocate(seq, n)") is None
+    assert dangling("enable_prefix_caching=False") is None
+    assert dangling("Scheduler.schedule_harder") is not None
+    assert dangling("match_prefixes") is not None
+    assert dangling("engine/no_such_module.py") is not None
+    assert dangling("make test") is None and dangling("config.json") is None
+    names = [
+        n for _, n in mermaid_names("```mermaid\nA[LLM.generate] --> B[add_sequence()]\n```\n")
+    ]
+    assert names == ["LLM.generate", "add_sequence()"]
+
+
+# ------------------------------------------------------------------ chapter status
+
+STATUS = re.compile(
+    r"^- \[(?P<title>[^\]]+)\]\((?P<page>[\w-]+\.md)\): (?P<status>written|not written yet)\s*$"
+)
+NOT_WRITTEN = re.compile(r'^!!! \w+ "[^"]*not written yet', re.M)
+
+
+def test_the_preface_says_which_chapters_are_written() -> None:
+    preface = (ROOT / "docs" / "index.md").read_text()
+    listed = {m["page"]: m["status"] for m in map(STATUS.match, preface.splitlines()) if m}
+    chapters = sorted(p.name for p in (ROOT / "docs").glob("ch*.md"))
+    assert sorted(listed) == chapters, "the Preface's status list must name every chapter once"
+    wrong = [
+        f"{page}: the Preface says {status!r}"
+        for page, status in listed.items()
+        if (status == "written") == bool(NOT_WRITTEN.search((ROOT / "docs" / page).read_text()))
+    ]
+    assert not wrong, "\n".join(wrong)
