@@ -44,7 +44,10 @@ class ModelRunner:
         self._bind_expert_counts()
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.max_model_len = self._max_model_len()
-        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        if self._layer_specs():
+            self.kv_cache = self._allocate_layer_caches(self.num_kv_blocks)
+        else:
+            self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.graphs: CUDAGraphRunner | None = None
         if (
             self.device.type == "cuda"
@@ -74,6 +77,19 @@ class ModelRunner:
                 layer.token_counts = row
             self.stats.expert_tokens = counts
 
+    def _layer_specs(self) -> list:
+        """The caches of layers that describe their own (MLA), until the engine-seams
+        KV cache pool, which will size every layer this way, replaces this."""
+        layers = self.model.attention_layers()
+        if not hasattr(layers[0], "kv_cache_spec"):
+            return []
+        return [layer.kv_cache_spec(self.config.dtype) for layer in layers]
+
+    def _allocate_layer_caches(self, num_blocks: int) -> torch.Tensor:
+        for layer, spec in zip(self.model.attention_layers(), self._layer_specs()):
+            layer.kv_cache = spec.allocate(num_blocks, self.block_size, self.device)
+        return torch.empty(0)
+
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """One tensor for the whole cache: [k/v, layer, block, slot, kv_head, head_dim].
 
@@ -81,12 +97,6 @@ class ModelRunner:
         values for every layer live at the same (block, slot) address, so one
         block table serves all layers.
         """
-        layers = self.model.attention_layers()
-        if hasattr(layers[0], "kv_cache_spec"):  # a layer that says what it caches (MLA)
-            for layer in layers:
-                spec = layer.kv_cache_spec(self.config.dtype)
-                layer.kv_cache = spec.allocate(num_blocks, self.block_size, self.device)
-            return torch.empty(0)
         c = self.config.hf_config
         shape = (
             2,
@@ -124,10 +134,8 @@ class ModelRunner:
         return cfg.max_model_len
 
     def block_bytes(self) -> int:
-        layers = self.model.attention_layers()
-        if hasattr(layers[0], "kv_cache_spec"):
-            specs = [layer.kv_cache_spec(self.config.dtype) for layer in layers]
-            return sum(spec.block_bytes(self.block_size) for spec in specs)
+        if self._layer_specs():
+            return sum(spec.block_bytes(self.block_size) for spec in self._layer_specs())
         c = self.config.hf_config
         itemsize = torch.empty(0, dtype=self.config.dtype).element_size()
         return (
