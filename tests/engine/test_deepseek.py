@@ -91,3 +91,20 @@ def test_mtp_copy_of_the_embedding_must_equal_the_main_one(deepseek, tmp_path) -
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.layers\.2\.embed_tokens\.weight differs"):
         LLM(folder)
+
+
+def test_bench_reports_the_cache_pool_bytes_per_token(deepseek, qwen3) -> None:
+    """MLA's pool keeps kv_lora_rank + rope numbers per token and layer; a dense MHA
+    of the same width keeps a key and a value of the full width; qwen3's pool, a
+    key and a value per KV head."""
+    from engine.tools.bench import kv_cache_lines
+
+    cfg = json.loads((deepseek[0] / "config.json").read_text())
+    lines = kv_cache_lines(LLM(deepseek[0], num_kv_blocks=4), [str(qwen3[0])])
+    latent = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # float32 on the CPU
+    dense = 2 * cfg["hidden_size"] * 4
+    qwen = json.loads((qwen3[0] / "config.json").read_text())
+    gqa = 2 * qwen["num_key_value_heads"] * qwen["head_dim"] * 4
+    assert lines[1].split()[-2:] == [str(latent), "bytes"], lines
+    assert f"{dense} bytes  {dense / latent:5.2f}x" in lines[2], lines
+    assert f"{gqa} bytes  {gqa / latent:5.2f}x" in lines[3], lines
