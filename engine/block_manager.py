@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as TokenList
 
 from engine.sequence import Sequence
+from engine.utils import cdiv
 
 
 class Block:
@@ -49,7 +50,7 @@ class BlockManager:
         return len(self.free_blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """The cached blocks that hold a prefix of ``token_ids``, in order.

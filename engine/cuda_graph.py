@@ -70,7 +70,8 @@ class CUDAGraphRunner:
         )
 
     def _forward(self, bs: int) -> None:
-        with forward_context(self._meta(bs), self.backend):
+        meta = self._meta(bs)
+        with forward_context(meta, self.backend.build_metadata(meta), self.backend):
             self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
 
     @torch.inference_mode()

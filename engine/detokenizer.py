@@ -5,67 +5,80 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from engine.sequence import Sequence
-
 # Decode a few prompt tokens ahead of the output, so the first output token is
 # spelled as it would be mid-sentence (leading spaces and merged bytes).
 CONTEXT_TOKENS = 5
 
 
-def start_detokenizer(seq: Sequence) -> None:
-    seq.detok_read_offset = seq.num_prompt_tokens
-    seq.detok_prefix_offset = max(seq.num_prompt_tokens - CONTEXT_TOKENS, 0)
+class IncrementalDetokenizer:
+    """One request's text, grown a token at a time and cut at its first stop string."""
 
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])  # context, then the output
+        self.prefix_offset = 0  # the decoding window is token_ids[prefix_offset:]...
+        self.read_offset = len(self.token_ids)  # ...and its text up to here is emitted
+        self.text = ""  # the output's text, stop string excluded
 
-def detokenize_incrementally(tokenizer: Tokenizer, seq: Sequence) -> str:
-    """The text the newest token adds, or "" while it is an incomplete character.
-
-    Decoding a token alone is wrong for byte-level vocabularies: one character
-    can take several tokens, and a space can belong to the next token. So we
-    decode a short window twice, with and without the new tokens, and emit the
-    difference once it no longer ends in a half-built character.
-    """
-    ids = seq.token_ids
-    before = tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset])
-    after = tokenizer.decode(ids[seq.detok_prefix_offset :])
-    if len(after) <= len(before) or after.endswith("\ufffd"):
-        return ""
-    seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
-    return after[len(before) :]
-
-
-def flush_detokenizer(tokenizer: Tokenizer, seq: Sequence) -> str:
-    """At the end, whatever the window still holds back, even a broken character,
-    so that the text equals decoding all the output tokens at once."""
-    ids = seq.token_ids
-    before = tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset])
-    after = tokenizer.decode(ids[seq.detok_prefix_offset :])
-    seq.detok_prefix_offset = seq.detok_read_offset = len(ids)
-    return after[len(before) :]
-
-
-def find_stop_string(seq: Sequence, new_text: str) -> bool:
-    """Cut ``seq.text`` at the first stop string that the new text completes.
-
-    Only the tail can hold a new match: the new characters plus enough of the
-    old ones for a stop string that started in an earlier token.
-    """
-    stops = seq.params.stop
-    if not stops or not new_text:
+    def update(self, new_token_ids: list[int], finished: bool) -> bool:
+        """Add the new tokens' text. True if a stop string ends the text; if the
+        request finished otherwise, flush what is held back."""
+        for token in new_token_ids:
+            self.token_ids.append(token)
+            new_text = self._decode_next()
+            self.text += new_text
+            if self._cut_at_stop_string(new_text):
+                return True
+        if finished:
+            self.text += self._flush()
         return False
-    longest = max(len(s) for s in stops)
-    tail_start = max(0, len(seq.text) - len(new_text) - longest + 1)
-    hits = [i for s in stops if (i := seq.text.find(s, tail_start)) != -1]
-    if not hits:
-        return False
-    seq.text = seq.text[: min(hits)]
-    return True
 
+    def _decode_next(self) -> str:
+        """The text the newest token adds, or "" while it is an incomplete character.
 
-def visible_text(seq: Sequence) -> str:
-    """What a stream may show so far: hold back a tail that could still turn out
-    to be the start of a stop string."""
-    if seq.is_finished or not seq.params.stop:
-        return seq.text
-    hold = max(len(s) for s in seq.params.stop) - 1
-    return seq.text[: max(0, len(seq.text) - hold)]
+        Decoding a token alone is wrong for byte-level vocabularies: one character
+        can take several tokens, and a space can belong to the next token. So we
+        decode a short window twice, with and without the new tokens, and emit the
+        difference once it no longer ends in a half-built character.
+        """
+        ids = self.token_ids
+        before = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        after = self.tokenizer.decode(ids[self.prefix_offset :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return after[len(before) :]
+
+    def _flush(self) -> str:
+        """At the end, whatever the window still holds back, even a broken character,
+        so that the text equals decoding all the output tokens at once."""
+        ids = self.token_ids
+        before = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        after = self.tokenizer.decode(ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(ids)
+        return after[len(before) :]
+
+    def _cut_at_stop_string(self, new_text: str) -> bool:
+        """Cut the text at the first stop string that the new text completes.
+
+        Only the tail can hold a new match: the new characters plus enough of the
+        old ones for a stop string that started in an earlier token.
+        """
+        if not self.stop or not new_text:
+            return False
+        longest = max(len(s) for s in self.stop)
+        tail_start = max(0, len(self.text) - len(new_text) - longest + 1)
+        hits = [i for s in self.stop if (i := self.text.find(s, tail_start)) != -1]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
+    def visible_text(self, finished: bool) -> str:
+        """What a stream may show so far: hold back a tail that could still turn out
+        to be the start of a stop string."""
+        if finished or not self.stop:
+            return self.text
+        hold = max(len(s) for s in self.stop) - 1
+        return self.text[: max(0, len(self.text) - hold)]

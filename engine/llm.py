@@ -3,10 +3,11 @@ every request is done, and returns the outputs in the order of the prompts."""
 
 from __future__ import annotations
 
+import os
 import time
 from itertools import count
+from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
@@ -17,36 +18,10 @@ from engine.stats import EngineStats
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        *,
-        device: str | None = None,
-        dtype: torch.dtype | str | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        attention_backend: str | None = None,
-        seed: int = 0,
-        **kwargs,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend,
-            seed=seed,
-            **kwargs,
-        )
+    def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
+        """``kwargs`` are EngineConfig's fields (block_size, num_kv_blocks, seed, ...),
+        with its defaults; an unknown name is a TypeError that names it."""
+        config = EngineConfig(model=str(model), **kwargs)
         self.llm_engine = LLMEngine(config)
         self._ids = count()
 
@@ -75,8 +50,8 @@ class LLM:
         engine = self.llm_engine
         # Check every request before queueing any, so a bad one loses nothing.
         seqs = [engine.make_sequence(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params)]
-        for seq in seqs:
-            engine.add_sequence(seq)
+        for seq, prompt in zip(seqs, prompts):
+            engine.add_sequence(seq, prompt)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             start, tokens = time.perf_counter(), 0

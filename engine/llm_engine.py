@@ -1,25 +1,23 @@
 """The engine loop: requests in, one scheduled forward pass per step, outputs out.
 
 This is the API a server drives (add_request, step, abort_request); LLM.generate
-in llm.py is the same loop run to completion.
+in llm.py is the same loop run to completion. The engine has two halves: the
+core (scheduler, executor and model runner) decides and computes, and the
+output processor turns each step's tokens into text for the callers.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import time
 from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import (
-    detokenize_incrementally,
-    find_stop_string,
-    flush_detokenizer,
-    start_detokenizer,
-    visible_text,
-)
+from engine.executor import UniProcExecutor
 from engine.loader import load_tokenizer
-from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -34,17 +32,34 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(Path(config.model))
         self.stats = EngineStats()
-        self.model_runner = ModelRunner(config, self.stats)
-        self.max_model_len = self.model_runner.max_model_len
-        self.eos_token_ids = set(config.hf_config.eos_token_ids)
+        self.executor = UniProcExecutor(config, self.stats)
+        cache = self.executor.kv_cache_config()
+        self.max_model_len = cache.max_model_len
         self.block_manager = BlockManager(
-            self.model_runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            cache.num_blocks, cache.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            config.max_num_seqs, config.max_num_batched_tokens, self.block_manager, self.stats
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.block_manager,
+            self.stats,
+            eos_token_ids=config.hf_config.eos_token_ids,
+            max_model_len=self.max_model_len,
         )
-        self.requests: dict[str, Sequence] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._num_added = 0
+        # What start-up built (torch, the model's modules, the block pool) lives as
+        # long as the engine: take it out of the garbage collector's full scans,
+        # which would otherwise walk all of it in the middle of some step. At exit
+        # it goes back, so that everything is finalized as usual.
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)
+
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """The unfinished requests, as the scheduler tracks them."""
+        return self.scheduler.requests
 
     def make_sequence(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
@@ -75,79 +90,38 @@ class LLMEngine:
             if params.seed is not None
             else self.config.seed * 1_000_003 + self._num_added
         )
-        prompt_text = prompt if isinstance(prompt, str) else None
-        return Sequence(request_id, token_ids, params, prompt=prompt_text, seed=seed)
+        return Sequence(request_id, token_ids, params, seed=seed)
 
-    def add_sequence(self, seq: Sequence) -> None:
-        start_detokenizer(seq)
-        seq.metrics["arrival"] = time.perf_counter()
-        self.requests[seq.request_id] = seq
+    def add_sequence(self, seq: Sequence, prompt: Prompt | None = None) -> None:
+        """Queue a checked request: its text side to the output processor, its
+        tokens to the scheduler."""
+        text = prompt if isinstance(prompt, str) else None
+        self.output_processor.add_request(seq.request_id, text, seq.prompt_token_ids, seq.params)
         self.scheduler.add(seq)
         self._num_added += 1
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
     ) -> None:
-        self.add_sequence(self.make_sequence(request_id, prompt, params))
+        self.add_sequence(self.make_sequence(request_id, prompt, params), prompt)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None:
-            del self.requests[request_id]
+        self.scheduler.finish_requests([request_id], "abort")
+        self.output_processor.abort_request(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and fold the new tokens into each request."""
+        """Schedule, run the model once, fold the new tokens into the requests,
+        and turn them into outputs."""
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
             raise RuntimeError("requests are waiting but none could be scheduled")
-        seqs, tokens, logprobs = self.model_runner.execute(out)
-        self.scheduler.advance(out)
-        outputs = [self._append_token(seq, t, lp) for seq, t, lp in zip(seqs, tokens, logprobs)]
+        runner_output = self.executor.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        processed = self.output_processor.process_outputs(core_outputs)
+        self.scheduler.finish_requests(processed.reqs_to_abort, "stop")  # stop strings
         self.stats.step_seconds += time.perf_counter() - start
-        return outputs
-
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> RequestOutput:
-        seq.token_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        self.stats.generated_tokens += 1
-        seq.metrics.setdefault("first_token", time.perf_counter())
-        new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer else ""
-        seq.text += new_text
-        cut = find_stop_string(seq, new_text)  # a stop string ends the text early
-        reason = "stop" if cut else self._stop_reason(seq, token)
-        if reason is not None:
-            if not cut and self.tokenizer:  # the text must equal decoding every token
-                seq.text += flush_detokenizer(self.tokenizer, seq)
-            self._finish(seq, reason)
-        return self._output(seq)
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        seq.metrics["finished"] = time.perf_counter()
-        self.stats.finished_requests += 1
-        del self.requests[seq.request_id]
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=visible_text(seq),
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            metrics=dict(seq.metrics),
-        )
+        return processed.request_outputs

@@ -1,8 +1,74 @@
-"""What the engine hands back for each request."""
+"""What each stage of a step hands on: the model runner's sampled tokens to the
+scheduler (ModelRunnerOutput), the engine core's news of each request to the
+front end (EngineCoreOutput), and the front end's answer to the caller
+(RequestOutput)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the front end reads these outputs without importing torch
+    import torch
+
+
+@dataclass
+class LogprobsTensors:
+    """Per sampled row: column 0 is the chosen token, the rest the top tokens,
+    most likely first, as many as the row that asked most wanted."""
+
+    token_ids: torch.Tensor  # [rows, 1 + n] int64
+    logprobs: torch.Tensor  # [rows, 1 + n] float32
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced, for the scheduler to fold in."""
+
+    req_ids: list[str]  # the requests that sampled this step, in row order
+    sampled_token_ids: torch.Tensor  # [rows] int64, still on the device
+    logprobs: LogprobsTensors | None = None  # None when no request asked
+    # Speculative decoding (Chapter 5) adds how many draft tokens each row accepted.
+
+    def logprobs_lists(self) -> list[tuple[list[int], list[float]] | None]:
+        """Each row's logprobs as host lists: (token ids, logprobs), or None."""
+        if self.logprobs is None:
+            return [None] * len(self.req_ids)
+        return list(zip(self.logprobs.token_ids.tolist(), self.logprobs.logprobs.tolist()))
+
+
+class EngineCoreEventType(Enum):
+    QUEUED = auto()  # added to the waiting queue
+    SCHEDULED = auto()  # admitted: its first time, or back after a preemption
+    PREEMPTED = auto()  # sent back to the queue, its blocks freed
+
+
+@dataclass(frozen=True, order=True)
+class EngineCoreEvent:
+    """Something the scheduler did to a request. ``index`` orders every event of
+    every request: of two events in one step, the one with the lower index came first."""
+
+    index: int  # first, so that events sort in the order they happened
+    type: EngineCoreEventType = field(compare=False)
+    step: int = field(compare=False)  # the engine step it happened in, counting from 1
+    num_tokens: int = field(compare=False)  # the request's tokens at that moment
+    num_cached_tokens: int = field(default=0, compare=False)  # SCHEDULED: cached of them
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step, as the engine core hands it to the front
+    end: plain data, so that the two can live in different processes."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token, if the request asked: token ids and their logprobs, the
+    # chosen token first, then the top ones.
+    new_logprobs: list[tuple[list[int], list[float]]] | None = None
+    finish_reason: str | None = None  # set by the core: EOS, stop tokens, lengths, abort
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    events: list[EngineCoreEvent] = field(default_factory=list)  # since its last output
 
 
 @dataclass
@@ -22,5 +88,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
-    num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished
+    events: list[EngineCoreEvent] = field(default_factory=list)  # queued, scheduled, preempted

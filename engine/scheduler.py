@@ -1,5 +1,6 @@
 """Continuous batching: every step, decide which sequences run and on how many
-tokens, within a token budget and the cache's free blocks.
+tokens, within a token budget and the cache's free blocks; after the forward
+pass, fold the sampled tokens in and finish the requests that are done.
 
 There is no separate prefill phase. A sequence simply has tokens whose keys and
 values are not yet in the cache; a new prompt has many, a decoding sequence has
@@ -11,28 +12,19 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from itertools import count
 
 from engine.block_manager import BlockManager
+from engine.outputs import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+)
+from engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens to compute this step, from seq.num_computed_tokens on
-
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the sequence's last token, so that we sample after it?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -42,22 +34,38 @@ class Scheduler:
         max_num_batched_tokens: int,
         block_manager: BlockManager,
         stats: EngineStats,
+        eos_token_ids: Collection[int] = (),
+        max_model_len: int | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
         self.stats = stats
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Sequence] = {}  # every unfinished one, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order, oldest first
+        self.finished_req_ids: list[str] = []  # since the last step, for the model runner
+        self._event_index = count()
 
     def add(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
+        self._record(seq, EngineCoreEventType.QUEUED)
+
+    def _record(self, seq: Sequence, kind: EngineCoreEventType, num_cached: int = 0) -> None:
+        """Note what happened to ``seq``, in this step, after everything noted before."""
+        step = self.stats.steps + 1  # the step being scheduled (counted once it is)
+        event = EngineCoreEvent(next(self._event_index), kind, step, seq.num_tokens, num_cached)
+        seq.events.append(event)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = []
         budget = self.max_num_batched_tokens
         # Running sequences first, oldest first: a decode token, or the next chunk
         # of a prompt. If the cache is full, the newest sequences give way.
@@ -67,7 +75,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._reserve(seq, n, out):
                 break  # seq was the newest left, and preempted itself
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(self._scheduled(seq, n))
             budget -= n
             i += 1
         # Then admit waiting sequences in arrival order, while budget and blocks
@@ -75,10 +83,10 @@ class Scheduler:
         while (
             self.waiting
             and budget > 0
-            and not out.preempted
+            and not out.preempted_req_ids
             and len(self.running) < self.max_num_seqs
         ):
-            scheduled = self._admit(self.waiting[0], budget)
+            scheduled = self._admit(self.waiting[0], budget, out)
             if scheduled is None:
                 break  # first come, first served: nobody overtakes the head
             self.waiting.popleft()
@@ -87,7 +95,7 @@ class Scheduler:
         self._count(out)
         return out
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
         """Start (or resume) a waiting sequence, reusing any cached prefix blocks."""
         bm = self.block_manager
         hits = bm.match_prefix(seq.token_ids)
@@ -98,9 +106,25 @@ class Scheduler:
         bm.take_cached(seq, hits)
         bm.allocate(seq, num_cached + n)  # cannot fail: can_admit checked it
         self.stats.prefix_cache_hit_tokens += num_cached
+        if seq.num_preemptions == 0:  # its first admission: new to the model runner
+            seq.num_cached_prompt_tokens = num_cached
+            out.new_requests.append(NewRequestData(seq.request_id, seq.params, seq.seed))
         seq.status = SequenceStatus.RUNNING
         insort(self.running, seq, key=lambda s: s.seq_id)
-        return ScheduledSeq(seq, n)
+        self._record(seq, EngineCoreEventType.SCHEDULED, num_cached)
+        return self._scheduled(seq, n)
+
+    @staticmethod
+    def _scheduled(seq: Sequence, n: int) -> ScheduledRequest:
+        """The next ``n`` tokens of ``seq``, as the model runner reads them."""
+        start = seq.num_computed_tokens
+        return ScheduledRequest(
+            seq.request_id,
+            seq.token_ids[start : start + n],
+            start,
+            seq.block_table,
+            samples=start + n == seq.num_tokens,
+        )
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Find blocks for ``n`` more tokens of ``seq``, preempting the newest
@@ -108,7 +132,7 @@ class Scheduler:
         while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
             victim = self.running[-1]  # the newest arrival
             self._preempt(victim)
-            out.preempted.append(victim)
+            out.preempted_req_ids.append(victim.request_id)
             if victim is seq:
                 return False
         return True
@@ -123,33 +147,69 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
+        self._record(seq, EngineCoreEventType.PREEMPTED)
 
-    def advance(self, out: SchedulerOutput) -> None:
-        """After the forward pass: the scheduled tokens are now in the cache."""
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """After the forward pass: the scheduled tokens are now in the cache, and
+        every request that sampled gets its token, and finishes if it is done."""
+        for item in scheduler_output.scheduled:
+            seq = self.requests[item.req_id]
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+        tokens = runner_output.sampled_token_ids.tolist()  # the step's one wait for the device
+        outputs = []
+        for req_id, token, logprobs in zip(
+            runner_output.req_ids, tokens, runner_output.logprobs_lists()
+        ):
+            seq = self.requests[req_id]
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            new_logprobs = [logprobs] if seq.params.logprobs is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    req_id, [token], new_logprobs, reason, seq.num_cached_prompt_tokens, seq.events
+                )
+            )
+            seq.events = []  # handed on
+        self.stats.generated_tokens += len(outputs)
+        return outputs
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        self.running.remove(seq)
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        too_long = self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        if seq.num_output_tokens >= p.max_tokens or too_long:
+            return "length"
+        return None
+
+    def finish_requests(self, request_ids: Collection[str], reason: str) -> None:
+        """End requests from outside the step: an abort, or a stop string the
+        front end found. Ids of requests already finished are ignored."""
+        for request_id in request_ids:
+            if (seq := self.requests.get(request_id)) is not None:
+                self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-
-    def abort(self, request_id: str) -> Sequence | None:
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.block_manager.free(seq)
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = "abort"
-                    return seq
-        return None
+        del self.requests[seq.request_id]
+        self.finished_req_ids.append(seq.request_id)
+        self.stats.finished_requests += reason != "abort"
 
     def _count(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
-            decode = item.num_new_tokens == 1 and item.seq.num_output_tokens > 0 and item.samples
+            seq = self.requests[item.req_id]
+            decode = item.num_new_tokens == 1 and seq.num_output_tokens > 0 and item.samples
             if decode:
                 self.stats.decode_tokens += 1
             else:

@@ -1,11 +1,13 @@
-"""A request as the engine tracks it: its tokens, how many are in the KV cache,
-and which cache blocks hold them."""
+"""A request as the scheduler tracks it: its tokens, how many are in the KV cache,
+and which cache blocks hold them. Its text, logprobs and timings belong to the
+output processor."""
 
 from __future__ import annotations
 
 from enum import Enum, auto
 from itertools import count
 
+from engine.outputs import EngineCoreEvent
 from engine.sampling_params import SamplingParams
 
 
@@ -23,17 +25,11 @@ class Sequence:
     _arrivals = count()
 
     def __init__(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        seed: int = 0,
+        self, request_id: str, token_ids: list[int], params: SamplingParams, seed: int = 0
     ) -> None:
         self.seq_id = next(Sequence._arrivals)  # arrival order: lower is older
         self.request_id = request_id
-        self.prompt = prompt
-        self.params = params
+        self.params = params  # when to stop, and how the model runner samples
         self.seed = seed  # the request's own random stream (see layers/sampler.py)
         self.token_ids = list(token_ids)  # prompt, then every generated token
         self.num_prompt_tokens = len(token_ids)
@@ -44,11 +40,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # tokens found in the prefix cache at the last admission
-        self.text = ""  # detokenized output, stop string excluded
-        self.logprobs: list[dict[int, float]] = []
-        self.detok_prefix_offset = 0  # see detokenizer.py
-        self.detok_read_offset = 0
-        self.metrics: dict[str, float] = {}  # arrival, first_token, finished (perf_counter)
+        self.num_cached_prompt_tokens = 0  # ... and at the first, which the caller is told
+        self.events: list[EngineCoreEvent] = []  # what the scheduler did, not yet reported
 
     @property
     def num_tokens(self) -> int:

@@ -199,7 +199,7 @@ def test_moe_mtp_module_matches_its_float64_reference() -> None:
 
     folder = MODELS / MOE
     llm = LLM(folder, block_size=16, num_kv_blocks=8)
-    runner, tok = llm.llm_engine.model_runner, llm.tokenizer
+    runner, tok = llm.llm_engine.executor.model_runner, llm.tokenizer
     model = runner.model
     ids = torch.tensor(tok.encode("def schedule(self) -> SchedulerOutput:\n    budget =").ids)
     pos = torch.arange(len(ids))

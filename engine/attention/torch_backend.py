@@ -4,14 +4,22 @@ It reads each sequence's keys and values out of the paged cache through its
 block table and calls scaled_dot_product_attention. Decodes run as padded
 batches of sequences with similar context lengths; prompt chunks run one
 sequence at a time, with a causal mask offset by the tokens already in the cache.
+Norms and RoPE run as the layers' own torch code.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.kv_cache import PagedKV, store_kvcache
+from engine.layers.layernorm import rms_norm
+from engine.layers.rotary_embedding import rotary_embedding
+from engine.utils import cdiv
 
 
 def gather_blocks(
@@ -31,10 +39,36 @@ def gather_blocks(
 DECODE_GROUP = 16  # decodes per padded attention batch
 
 
+@dataclass
+class DecodeGroup:
+    """Decodes attended together, padded only to the longest context among them."""
+
+    rows: torch.Tensor  # [seqs] their rows in the batch
+    tables: torch.Tensor  # [seqs, blocks] the blocks to read, -1 padding made block 0
+    valid: torch.Tensor  # [seqs, 1, 1, blocks * block_size] which positions are real
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prompt tokens in this step, attended on their own."""
+
+    start: int  # its first query row
+    num_tokens: int
+    tables: torch.Tensor | None  # [1, blocks] when part of its context is cached, else None
+    mask: torch.Tensor | None  # [num_tokens, context], causal over the cache and the new tokens
+
+
+@dataclass
+class TorchAttentionMetadata:
+    decode_groups: list[DecodeGroup]
+    prefill_chunks: list[PrefillChunk]
+
+
 class TorchBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self._buffers: dict[str, torch.Tensor] = {}  # gather space, reused across layers
 
     def _buffer(self, name: str, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -45,12 +79,12 @@ class TorchBackend:
             self._buffers[name] = buf
         return buf[:rows]
 
-    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+    def build_metadata(self, meta: AttentionMetadata) -> TorchAttentionMetadata:
         """Work shared by every layer, done once per step: which blocks to read,
         and which of the positions read are real (and causal)."""
-        d = meta.num_decodes
+        d, block_size = meta.num_decodes, self.block_size
         tables = meta.block_tables.clamp(min=0).long()  # -1 padding reads block 0, masked
-        # --8<-- [start:decode_prepare]
+        # --8<-- [start:decode_groups]
         # Decodes run as padded batches, and padding is memory read only to be
         # masked. Sorting by context length and batching neighbours keeps it small.
         lens = meta.context_lens_cpu[:d]
@@ -58,72 +92,75 @@ class TorchBackend:
         groups = []
         for first in range(0, d, DECODE_GROUP):
             rows = order[first : first + DECODE_GROUP]
-            blocks = -(-lens[rows[-1]] // block_size)  # the group's longest context
+            blocks = cdiv(lens[rows[-1]], block_size)  # the group's longest context
             idx = torch.tensor(rows, device=tables.device)
             pos = torch.arange(blocks * block_size, device=tables.device)
             valid = pos < meta.context_lens[idx, None]
-            groups.append((idx, tables[idx, :blocks], valid[:, None, None, :]))
-        meta.prepared["decode"] = groups
-        # --8<-- [end:decode_prepare]
+            groups.append(DecodeGroup(idx, tables[idx, :blocks], valid[:, None, None, :]))
+        # --8<-- [end:decode_groups]
         chunks = []
-        starts = meta.cu_seqlens_q.tolist()
+        starts = list(accumulate(meta.query_lens_cpu, initial=0))  # on the host: no GPU wait
         for i in range(d, len(meta.query_lens_cpu)):
             n, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
             if n == ctx:  # no cached prefix: attend over the new tokens themselves
-                chunks.append((starts[i], n, None, None))
+                chunks.append(PrefillChunk(starts[i], n, None, None))
                 continue
-            blocks = -(-ctx // block_size)
+            blocks = cdiv(ctx, block_size)
             q_pos = torch.arange(ctx - n, ctx, device=tables.device)  # query j sits at ctx-n+j
             mask = torch.arange(ctx, device=tables.device) <= q_pos[:, None]
-            chunks.append((starts[i], n, tables[i : i + 1, :blocks], mask))
-        meta.prepared["prefill"] = chunks
+            chunks.append(PrefillChunk(starts[i], n, tables[i : i + 1, :blocks], mask))
+        return TorchAttentionMetadata(groups, chunks)
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        """Write this step's keys and values into their slots. (Slot -1, the
-        padding of a CUDA graph's batch, never reaches this backend.)"""
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    def store_kvcache(self, k, v, cache: PagedKV, slot_mapping) -> None:
+        store_kvcache(k, v, cache, slot_mapping)
+
+    rms_norm = staticmethod(rms_norm)
+    rotary_embedding = staticmethod(rotary_embedding)
 
     def mla_decode(
-        self, q: torch.Tensor, cache: torch.Tensor, rank: int, meta: AttentionMetadata, scale: float
+        self, q, cache: torch.Tensor, rank: int, attn_metadata: TorchAttentionMetadata, scale
     ) -> torch.Tensor:
         """Absorbed MLA decode (engine/layers/mla.py): q [decodes, heads, rank + rope]
         over the paged latents [blocks, block_size, rank + rope], which serve as one
         KV head shared by every query head, with their first rank numbers as values.
         Returns [decodes, heads, rank]."""
         out = q.new_empty(*q.shape[:2], rank)
-        for rows, tables, valid in meta.prepared["decode"]:
+        for group in attn_metadata.decode_groups:
+            rows, tables = group.rows, group.tables
             latents = gather_blocks(cache, tables, self._buffer("latent", cache, tables))
             latents = latents[:, None]  # [seqs, 1, L, rank + rope]: the one KV head
             o = F.scaled_dot_product_attention(
-                q[rows][:, None], latents, latents[..., :rank], attn_mask=valid, scale=scale
+                q[rows][:, None], latents, latents[..., :rank], attn_mask=group.valid, scale=scale
             )
             out[rows] = o[:, 0]
         return out
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, cache: PagedKV, attn_metadata: TorchAttentionMetadata, scale):
         """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim],
         already stored in the cache. The result has q's shape."""
+        k_cache, v_cache = cache.k, cache.v
         # --8<-- [start:decode_attend]
         out = torch.empty_like(q)
         kv_heads = k_cache.shape[2]
-        for rows, tables, valid in meta.prepared["decode"]:  # one query per sequence
+        for group in attn_metadata.decode_groups:  # one query per sequence
+            rows, tables = group.rows, group.tables
             ks = gather_blocks(k_cache, tables, self._buffer("k", k_cache, tables))
             vs = gather_blocks(v_cache, tables, self._buffer("v", v_cache, tables))
             ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [seqs, kv_heads, L, head_dim]
             # GQA: the query heads that share a KV head become that head's query
             # rows, so each key is scored against all of them in one matmul.
             qs = q[rows].view(len(rows), kv_heads, -1, q.shape[-1])
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=valid, scale=scale)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.valid, scale=scale)
             out[rows] = o.flatten(1, 2)
             # --8<-- [end:decode_attend]
-        for start, n, tables, mask in meta.prepared["prefill"]:
-            if tables is None:  # a whole prompt: its keys are the new ones, causal
+        for chunk in attn_metadata.prefill_chunks:
+            start, n, mask = chunk.start, chunk.num_tokens, chunk.mask
+            if chunk.tables is None:  # a whole prompt: its keys are the new ones, causal
                 ks, vs = k[start : start + n], v[start : start + n]
             else:  # a later chunk, or a prefix-cache hit: read the prefix from the cache
                 ctx = mask.shape[1]
-                ks = gather_blocks(k_cache, tables)[0, :ctx]
-                vs = gather_blocks(v_cache, tables)[0, :ctx]
+                ks = gather_blocks(k_cache, chunk.tables)[0, :ctx]
+                vs = gather_blocks(v_cache, chunk.tables)[0, :ctx]
             o = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1)[None],
                 ks.transpose(0, 1)[None],

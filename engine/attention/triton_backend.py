@@ -2,15 +2,37 @@
 
 Decodes go to the split-KV decode kernel, prompt chunks to the varlen prefill
 kernel, which reads the cached prefix and the new tokens alike through the
-block table. On a CPU these kernels run only under TRITON_INTERPRET=1, which is
-how the tests check them without a GPU.
+block table. RMSNorm (fused with the residual add) and RoPE run as Triton
+kernels too. On a CPU these kernels run only under TRITON_INTERPRET=1, which
+is how the tests check them without a GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.kv_cache import PagedKV
+
+
+@dataclass
+class PrefillBatch:
+    """The step's prompt chunks, as the prefill kernel takes them."""
+
+    cu_seqlens_q: torch.Tensor  # [chunks + 1] query starts, counted from row num_decodes
+    block_tables: torch.Tensor  # [chunks, max_blocks]
+    context_lens: torch.Tensor  # [chunks]
+    max_seqlen_q: int  # known on the host: no wait for the GPU
+
+
+@dataclass
+class TritonAttentionMetadata:
+    num_decodes: int  # decodes come first, one query row each
+    block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    context_lens: torch.Tensor  # [num_decodes]
+    prefill: PrefillBatch | None  # None when the step holds only decodes
 
 
 class TritonBackend:
@@ -24,50 +46,64 @@ class TritonBackend:
 
         self.kernels = kernels
 
-    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Decodes hold one query token each and come first, so the prompt chunks'
-        queries start at row num_decodes."""
+    def build_metadata(self, meta: AttentionMetadata) -> TritonAttentionMetadata:
+        """Views of the step's tensors, nothing computed: a CUDA graph captures
+        them over its static buffers. Prompt chunks' queries start at row
+        num_decodes."""
         d = meta.num_decodes
+        prefill = None
         if d < len(meta.query_lens_cpu):
-            meta.prepared["prefill"] = (
+            prefill = PrefillBatch(
                 meta.cu_seqlens_q[d:] - d,
                 meta.block_tables[d:],
                 meta.context_lens[d:],
-                max(meta.query_lens_cpu[d:]),  # known on the host: no wait for the GPU
+                max(meta.query_lens_cpu[d:]),
             )
+        return TritonAttentionMetadata(d, meta.block_tables[:d], meta.context_lens[:d], prefill)
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        self.kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kvcache(self, k, v, cache: PagedKV, slot_mapping) -> None:
+        self.kernels.store_kvcache(k, v, cache.k, cache.v, slot_mapping)
 
-    def mla_decode(self, q, cache, rank: int, meta: AttentionMetadata, scale: float):
-        d = meta.num_decodes
-        tables, lens = meta.block_tables[:d], meta.context_lens[:d]
-        return self.kernels.paged_mla_decode(q, cache, tables, lens, rank, scale)
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, cache: PagedKV, attn_metadata: TritonAttentionMetadata, scale):
         out = torch.empty_like(q)
-        d = meta.num_decodes
+        d, prefill = attn_metadata.num_decodes, attn_metadata.prefill
         if d:
             self.kernels.paged_decode_attention(
                 q[:d],
-                k_cache,
-                v_cache,
-                meta.block_tables[:d],
-                meta.context_lens[:d],
+                cache.k,
+                cache.v,
+                attn_metadata.block_tables,
+                attn_metadata.context_lens,
                 scale,
                 out=out[:d],
             )
-        if "prefill" in meta.prepared:
-            cu_seqlens, tables, context_lens, longest = meta.prepared["prefill"]
+        if prefill is not None:
             self.kernels.paged_prefill_attention(
                 q[d:],
-                k_cache,
-                v_cache,
-                tables,
-                cu_seqlens,
-                context_lens,
+                cache.k,
+                cache.v,
+                prefill.block_tables,
+                prefill.cu_seqlens_q,
+                prefill.context_lens,
                 scale,
                 out=out[d:],
-                max_seqlen_q=longest,
+                max_seqlen_q=prefill.max_seqlen_q,
             )
         return out
+
+    def mla_decode(self, q, cache, rank: int, attn_metadata: TritonAttentionMetadata, scale):
+        """Absorbed MLA decode over the paged latents: engine/kernels/mla_decode.py."""
+        tables, lens = attn_metadata.block_tables, attn_metadata.context_lens
+        return self.kernels.paged_mla_decode(q, cache, tables, lens, rank, scale)
+
+    def rms_norm(self, x, residual, weight, eps):
+        rows = x.reshape(-1, x.shape[-1])  # q/k norms see [tokens, heads, head_dim]
+        if residual is None:
+            return self.kernels.rms_norm(rows, weight, eps).view(x.shape)
+        out, summed = self.kernels.fused_add_rms_norm(
+            rows, residual.reshape(rows.shape), weight, eps
+        )
+        return out.view(x.shape), summed.view(x.shape)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache):
+        return self.kernels.rotary_embedding(positions, q, k, cos_sin_cache)

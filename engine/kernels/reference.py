@@ -14,8 +14,7 @@ def gather_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first context_len keys and values, [context_len, num_kv_heads, head_dim]."""
-    block_size = k_cache.shape[1]
-    blocks = block_table[: -(-context_len // block_size)].long()
+    blocks = block_table[block_table >= 0].long()  # every block it names; -1 pads the table
     k = k_cache[blocks].flatten(0, 1)[:context_len]
     v = v_cache[blocks].flatten(0, 1)[:context_len]
     return k.double(), v.double()
@@ -69,10 +68,9 @@ def paged_mla_decode(
     scale: float,
 ) -> torch.Tensor:
     """Absorbed MLA decode: every head scores [c, k_rope] rows and sums their c parts."""
-    block_size = cache.shape[1]
     out = torch.empty((*q.shape[:2], rank), dtype=torch.float64, device=q.device)
     for i, context_len in enumerate(context_lens.tolist()):
-        blocks = block_tables[i, : -(-context_len // block_size)].long()
+        blocks = block_tables[i][block_tables[i] >= 0].long()  # -1 pads the table
         latents = cache[blocks].flatten(0, 1)[:context_len].double()  # [context, rank + rope]
         weights = (q[i].double() @ latents.T * scale).softmax(-1)  # [heads, context]
         out[i] = weights @ latents[:, :rank]

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from engine.attention import get_forward_context
+from engine.kv_cache import FullAttentionSpec, PagedKV
 
 
 class Attention(nn.Module):
@@ -16,9 +17,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
-        # This layer's slice of the paged cache; the model runner binds it.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self.kv_cache: PagedKV | None = None  # this layer's blocks; KVCachePool binds them
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> FullAttentionSpec:
+        """What this layer caches for every token: a key and a value per KV head."""
+        return FullAttentionSpec(self.num_kv_heads, self.head_dim, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim].
@@ -27,5 +30,5 @@ class Attention(nn.Module):
         see its own new tokens through the same cache as its earlier ones.
         """
         ctx = get_forward_context()
-        ctx.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.meta.slot_mapping)
-        return ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale)
+        ctx.backend.store_kvcache(k, v, self.kv_cache, ctx.meta.slot_mapping)
+        return ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)

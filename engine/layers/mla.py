@@ -20,36 +20,15 @@ Two ways to attend over it, equal up to rounding:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import get_forward_context
-
-
-@dataclass(frozen=True)
-class MLACacheSpec:
-    """One latent of ``latent_dim`` numbers (kv_lora_rank + rope dim) per token."""
-
-    kv_lora_rank: int
-    rope_dim: int
-    dtype: torch.dtype
-
-    @property
-    def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.rope_dim
-
-    def block_bytes(self, block_size: int) -> int:
-        return block_size * self.latent_dim * self.dtype.itemsize
-
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
-        """[num_blocks, block_size, kv_lora_rank + rope_dim]: c, then k_rope, per slot."""
-        # Zeros, not empty: padded reads are masked, but 0 * NaN would still be NaN.
-        return torch.zeros(
-            (num_blocks, block_size, self.latent_dim), dtype=self.dtype, device=device
-        )
+from engine.kv_cache import MLACacheSpec, store_latent
+from engine.utils import cdiv
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -114,17 +93,19 @@ class MLAAttention(nn.Module):
         Returns [tokens, heads, v]."""
         ctx = get_forward_context()
         meta = ctx.meta
-        rows = torch.cat([latent, k_rope], dim=-1)
-        self.kv_cache.view(-1, rows.shape[-1]).index_copy_(0, meta.slot_mapping, rows)
+        store_latent(latent, k_rope, self.kv_cache, meta.slot_mapping)
         out = q_nope.new_empty(len(q_nope), self.num_heads, self.v_dim)
         d = meta.num_decodes
         if d:  # absorbed: attention reads the latents alone, on the backend's kernel
             w_uk, w_uv = self.split_kv_b(kv_b)
             q = torch.cat([absorb_query(q_nope[:d], w_uk), q_rope[:d]], dim=-1)
-            o_latent = ctx.backend.mla_decode(q, self.kv_cache, self.kv_lora_rank, meta, self.scale)
+            o_latent = ctx.backend.mla_decode(
+                q, self.kv_cache, self.kv_lora_rank, ctx.attn_metadata, self.scale
+            )
             out[:d] = absorb_output(o_latent, w_uv)
         if d < len(q_nope):  # expanded: per-head keys and values, in torch on every backend
             q = torch.cat([q_nope, q_rope], dim=-1)
+            rows = torch.cat([latent, k_rope], dim=-1)
             self._prefill(q, rows, kv_b, meta, out)
         return out
 
@@ -132,13 +113,14 @@ class MLAAttention(nn.Module):
         """Causal attention for each prompt chunk, over its whole context: the new
         rows alone for a whole prompt, else the rows the cache holds (the prefix
         and, stored already, the chunk itself)."""
-        starts, block_size = meta.cu_seqlens_q.tolist(), self.kv_cache.shape[1]
+        starts = list(accumulate(meta.query_lens_cpu, initial=0))  # on the host: no GPU wait
+        block_size = self.kv_cache.shape[1]
         for i in range(meta.num_decodes, len(meta.query_lens_cpu)):
             start, n, context = starts[i], meta.query_lens_cpu[i], meta.context_lens_cpu[i]
             if n == context:
                 seen, mask = rows[start : start + n], None
             else:
-                blocks = meta.block_tables[i, : -(-context // block_size)].long()
+                blocks = meta.block_tables[i, : cdiv(context, block_size)].long()
                 seen = self.kv_cache[blocks].flatten(0, 1)[:context]
                 q_pos = torch.arange(context - n, context, device=q.device)
                 mask = torch.arange(context, device=q.device) <= q_pos[:, None]

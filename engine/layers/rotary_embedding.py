@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from engine.attention import get_forward_context
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """One frequency per pair of dimensions, computed as transformers does."""
@@ -97,7 +99,6 @@ class RotaryEmbedding(nn.Module):
             persistent=False,
         )
         self.interleaved = interleaved
-        self.use_triton = False  # the model runner turns this on for the GPU path
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -105,16 +106,21 @@ class RotaryEmbedding(nn.Module):
         """Rotate each (x1, x2) pair of every head by its position's angle.
 
         q is [tokens, heads, head_dim]; positions says where each token sits in
-        its own sequence, so tokens of many sequences can share one batch.
+        its own sequence, so tokens of many sequences can share one batch. The
+        step's backend chooses the kernel.
         """
         if self.interleaved:
             q, k = deinterleave(q), deinterleave(k)
-        if self.use_triton:
-            from engine.kernels import rotary_embedding
+        backend = get_forward_context().backend
+        return backend.rotary_embedding(positions, q, k, self.cos_sin_cache)
 
-            return rotary_embedding(positions, q, k, self.cos_sin_cache)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch version, which the reference backend runs."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

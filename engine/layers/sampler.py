@@ -1,9 +1,17 @@
-"""Choosing the next token from logits: greedy, or sampled after temperature,
-top-k, top-p and min-p, with a random stream per request.
+"""Choosing the next token from logits, for the whole batch at once: greedy, or
+sampled after temperature, top-k, top-p and min-p, from a random stream per
+request.
+
+Every setting is a per-row tensor, so one set of tensor operations serves the
+batch: no loop over rows, and no wait for the GPU. The sampled ids stay on the
+device until something reads them.
 
 A request's random draws depend only on its seed and on how many tokens it has
 generated, never on which other requests share the batch or on whether it was
-preempted and recomputed. That is what makes seeded sampling reproducible.
+preempted and recomputed. Token ``step`` of a request seeded ``seed`` draws one
+uniform number per vocabulary entry from a hash of (seed, step, token id),
+computed with integer tensor ops; that is what makes seeded sampling
+reproducible.
 """
 
 from __future__ import annotations
@@ -12,9 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import LogprobsTensors
 from engine.sampling_params import SamplingParams
+from engine.utils import to_device
 
-_MASK64 = (1 << 63) - 1
+_MASK32 = 0xFFFFFFFF
+_MASK63 = (1 << 63) - 1
 
 
 @dataclass
@@ -24,58 +35,164 @@ class SamplingRow:
     step: int  # how many tokens this request has generated so far
 
 
-def request_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
-    """A counter-based stream: token ``step`` of a request seeded ``seed`` always
-    sees the same random numbers, whatever else runs in the batch."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 1) & _MASK64
-    return torch.Generator(device=device).manual_seed(mixed)
+@dataclass
+class RandomRows:
+    """The rows that draw rather than take the argmax: their indices in the batch,
+    their settings as tensors, and which filters any of them uses, known on the
+    host so that unused filters cost nothing."""
+
+    rows: torch.Tensor  # int64 indices into the batch
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64; the vocabulary size where off
+    top_p: torch.Tensor  # float32; 1 where off
+    min_p: torch.Tensor  # float32; 0 where off
+    seeds: torch.Tensor  # int64, below 2**63
+    steps: torch.Tensor  # int64
+    max_top_k: int  # the candidates top-k and top-p need: the largest k, or all
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, for one row of logits."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the token that crosses
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
+@dataclass
+class SamplingMetadata:
+    random: RandomRows | None  # None when every row is greedy
+    max_num_logprobs: int | None  # the most any row asked for; None if none asked
+
+    @classmethod
+    def from_rows(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        drawn = [(i, r) for i, r in enumerate(rows) if not r.params.greedy]
+        if not drawn:
+            return cls(None, max(asked) if asked else None)
+        params = [r.params for _, r in drawn]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(values, dtype, device)
+
+        random = RandomRows(
+            rows=tensor([i for i, _ in drawn], torch.int64),
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            seeds=tensor([r.seed & _MASK63 for _, r in drawn], torch.int64),
+            steps=tensor([r.step for _, r in drawn], torch.int64),
+            max_top_k=max(top_k),
+            use_top_k=any(k < vocab_size for k in top_k),
+            use_top_p=any(p.top_p < 1.0 for p in params),
+            use_min_p=any(p.min_p > 0.0 for p in params),
+        )
+        return cls(random, max(asked) if asked else None)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] int64, on the logits' device
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """One token per row. Greedy rows take the argmax in one batched call;
-        the rest draw from their own stream with the exponential race:
-        argmax(p / E) with E ~ Exp(1) picks token i with probability p_i."""
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, row in enumerate(rows):
-            if row.params.greedy:
-                continue
-            probs = filter_logits(logits[i].float(), row.params).softmax(-1)
-            gen = request_generator(row.seed, row.step, logits.device)
-            race = torch.empty_like(probs).exponential_(generator=gen)
-            tokens[i] = int((probs / race).argmax())
-        return tokens
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """One token per row: the argmax, or, for the rows that draw, a token from
+        their filtered distribution."""
+        tokens = logits.argmax(dim=-1)
+        if (r := md.random) is not None:
+            tokens[r.rows] = draw(logits[r.rows], r)
+        return SamplerOutput(tokens, compute_logprobs(logits, tokens, md.max_num_logprobs))
 
-    @staticmethod
-    def logprobs(logits: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> list:
-        """For rows that asked: the chosen token's logprob and the top-n, from
-        the model's raw distribution (before temperature and filters)."""
-        result: list[dict[int, float] | None] = [None] * len(rows)
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if not wanted:
-            return result
-        logp = torch.log_softmax(logits[wanted].float(), dim=-1)
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            top = torch.topk(logp[j], n) if n else None
-            entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
-            entry[tokens[i]] = float(logp[j, tokens[i]])
-            result[i] = entry
-        return result
+
+def apply_filters(logits: torch.Tensor, r: RandomRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, then top-k, top-p and min-p, on the rows that draw.
+
+    Top-k and top-p need the tokens in order of likelihood, so with either one
+    the result keeps only the candidates, most likely first, with the token id
+    of each column; otherwise it keeps every token, in id order (ids None).
+    """
+    logits = logits / r.temperature[:, None]
+    ids = None
+    if r.use_top_k or r.use_top_p:  # one partial sort serves both
+        logits, ids = logits.topk(r.max_top_k, dim=-1)
+        if r.use_top_k:  # each row's k most likely tokens
+            column = torch.arange(r.max_top_k, device=logits.device)
+            logits = logits.masked_fill(column >= r.top_k[:, None], float("-inf"))
+        if r.use_top_p:  # the smallest head whose mass reaches top_p
+            probs = logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1).sub_(probs)
+            top_p = r.top_p[:, None]
+            logits = logits.masked_fill((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
+    if r.use_min_p:
+        probs = logits.softmax(dim=-1)
+        floor = r.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits, ids
+
+
+def draw(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
+    """The exponential race: argmax(p / E), with E ~ Exp(1) drawn independently
+    for every token, picks token i with probability p_i."""
+    logits, ids = apply_filters(logits, r)
+    race = exponential_noise(r.seeds, r.steps, ids, logits.shape[-1])
+    choice = logits.softmax(dim=-1).div_(race).argmax(dim=-1)
+    return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def mix32_(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds), in place, on an int64
+    tensor of values below 2**32. Both multipliers are below 2**31, so no product
+    overflows int64, and every shift sees a non-negative number."""
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x &= _MASK32
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x &= _MASK32
+    x ^= x >> 15
+    return x
+
+
+_vocab_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def token_hashes(ids: torch.Tensor | None, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A hash of each token id: of ``ids``, or of the whole vocabulary (kept)."""
+    if ids is not None:
+        return mix32_(ids ^ 0x5BD1E995)
+    if (vocab_size, device) not in _vocab_hashes:
+        every = torch.arange(vocab_size, dtype=torch.int64, device=device)
+        _vocab_hashes[vocab_size, device] = mix32_(every ^ 0x5BD1E995)[None, :]
+    return _vocab_hashes[vocab_size, device]
+
+
+def exponential_noise(
+    seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor:
+    """Exp(1) draws for the tokens ``ids`` ([rows, n]; None: the whole vocabulary),
+    each a function of (seed, step, token id) alone."""
+    key = mix32_(mix32_(seeds & _MASK32) ^ (seeds >> 32))  # both halves of the seed
+    key = mix32_(key ^ (steps & _MASK32))
+    bits = mix32_(key[:, None] ^ token_hashes(ids, vocab_size, seeds.device))
+    # The top 24 bits, centred in their interval: uniform on (0, 1), never 0 or 1.
+    bits >>= 8
+    uniform = bits.float().mul_(2.0**-24).add_(2.0**-25)
+    return uniform.log_().neg_()
+
+
+def compute_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, max_num_logprobs: int | None
+) -> LogprobsTensors | None:
+    """For every row: the chosen token's logprob, then the top ``max_num_logprobs``,
+    from the model's raw distribution (before temperature and filters). Each
+    request keeps as many of the top ones as it asked for."""
+    if max_num_logprobs is None:
+        return None
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(max_num_logprobs, dim=-1)
+    chosen = logp.gather(1, tokens[:, None])
+    return LogprobsTensors(
+        token_ids=torch.cat([tokens[:, None], top.indices], dim=1),
+        logprobs=torch.cat([chosen, top.values], dim=1),
+    )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_cache import FullAttentionSpec
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -99,8 +100,8 @@ def run_transformers(
 
 def kv_bytes_per_token_per_layer(llm: LLM) -> float:
     """What the engine's cache pool allocates per token, averaged over its layers."""
-    runner = llm.llm_engine.model_runner
-    return runner.block_bytes() / runner.block_size / len(runner.model.attention_layers())
+    pool = llm.llm_engine.executor.model_runner.kv_cache
+    return pool.block_bytes() / pool.block_size / len(pool.specs)
 
 
 def kv_cache_lines(llm: LLM, baselines: list[str]) -> list[str]:
@@ -108,12 +109,14 @@ def kv_cache_lines(llm: LLM, baselines: list[str]) -> list[str]:
     same width (every head's key and value, head_dim = hidden / heads), and the
     dense models named in ``baselines``, each loaded into a cache pool of its own."""
     cfg = llm.llm_engine.config
-    hf, itemsize = cfg.hf_config, cfg.dtype.itemsize
+    hf = cfg.hf_config
     ours = kv_bytes_per_token_per_layer(llm)
     rows = [(f"this model ({hf.architecture})", ours)]
     if hf.mla is not None:
         rows[0] = (f"this model (MLA: {hf.mla.kv_lora_rank} + {hf.mla.qk_rope_head_dim})", ours)
-        rows.append((f"dense MHA, width {hf.hidden_size}", 2 * hf.hidden_size * itemsize))
+        heads = hf.num_attention_heads
+        mha = FullAttentionSpec(heads, hf.hidden_size // heads, cfg.dtype)
+        rows.append((f"dense MHA, width {hf.hidden_size}", mha.block_bytes(1)))
     for path in baselines:
         other = LLM(path, device=cfg.device, dtype=cfg.dtype, num_kv_blocks=1)
         name = other.llm_engine.config.hf_config.architecture

@@ -33,6 +33,7 @@ import torch
 
 from engine.kernels import reference
 from engine.kernels.availability import compiled_kernel_modules, interpreter_active
+from engine.utils import cdiv
 
 # Llama-3-8B's attention shape: 32 query heads, 8 kv heads, head_dim 128.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -67,7 +68,7 @@ def random_paged_cache(
     spare_blocks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V caches and block tables whose blocks are shuffled over the whole cache."""
-    needed = [-(-n // block_size) for n in context_lens]
+    needed = [cdiv(n, block_size) for n in context_lens]
     num_blocks = sum(needed) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, dtype=dtype, device=device)

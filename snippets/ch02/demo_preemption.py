@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine import LLM, RequestOutput, SamplingParams
+from engine.outputs import EngineCoreEventType
 
+PREEMPTED = EngineCoreEventType.PREEMPTED
 MODEL = os.environ.get("DEEPINFER_DEMO_MODEL", "snippets/models/deepinfer-tiny")
 PROMPTS = [
     "def free(self, seq):",
@@ -31,32 +32,18 @@ ROOMY_BLOCKS = 256
 MAX_TOKENS = 40
 
 
-# The one place this demo reads the engine's internals.
-def watch_scheduler(engine: LLMEngine) -> list[list[tuple[str, str, int, int]]]:
-    """Record what the scheduler does in each step, in the order it does it:
-    ("preempted" or "resumed", request id, its tokens, tokens found in the
-    prefix cache). One list per step, appended as the engine steps.
-
-    TODO(order): the engine reports no events, and a step's outputs cannot tell
-    which of two requests preempted in one step went first. Until it has an event
-    log, this wraps Scheduler.schedule and reads its SchedulerOutput, whose
-    `preempted` list is in the order the scheduler chose its victims."""
-    scheduler, log = engine.scheduler, []
-    schedule = scheduler.schedule
-
-    def schedule_and_record():
-        waiting = set(map(id, scheduler.waiting))
-        out = schedule()
-        events = [("preempted", s.request_id, s.num_tokens, 0) for s in out.preempted]
-        for item in out.scheduled:  # running sequences first, then admissions
-            seq = item.seq
-            if id(seq) in waiting and seq.num_preemptions:
-                events.append(("resumed", seq.request_id, seq.num_tokens, seq.num_cached_tokens))
-        log.append(events)
-        return out
-
-    scheduler.schedule = schedule_and_record
-    return log
+def scheduler_events(outputs: dict[str, RequestOutput]) -> list[tuple[str, str, int, int, int]]:
+    """Every preemption and resumption, in the order the scheduler acted:
+    (kind, request, step, its tokens, tokens found in the prefix cache).
+    Each request's output carries what the scheduler did to it; the events'
+    index orders them across requests, even within one step."""
+    found = []
+    for name, out in outputs.items():
+        admissions = [e for e in out.events if e.type is EngineCoreEventType.SCHEDULED]
+        found += [(e, "resumed", name) for e in admissions[1:]]  # back after a preemption
+        found += [(e, "preempted", name) for e in out.events if e.type is PREEMPTED]
+    found.sort()  # events compare by their index
+    return [(kind, name, e.step, e.num_tokens, e.num_cached_tokens) for e, kind, name in found]
 
 
 def run_to_completion(llm: LLM, names: list[str], params: SamplingParams) -> dict:
@@ -75,7 +62,6 @@ def main() -> dict:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     names = [f"r{i}" for i in range(len(PROMPTS))]
     tight = LLM(MODEL, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
-    log = watch_scheduler(tight.llm_engine)
     outputs = run_to_completion(tight, names, params)
 
     grown = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs.values())
@@ -85,18 +71,17 @@ def main() -> dict:
     print()
     results: dict = {}
     order: dict[str, list] = {"preempted": [], "resumed": []}
-    for step, events in enumerate(log, 1):
-        for kind, name, tokens, cached in events:
-            nth = sum(n == name for n in order[kind])  # earlier events of this kind
-            key = f"{name}_{kind}" + (f"_{nth + 1}" if nth else "")
-            order[kind].append(name)
-            results[f"{key}_step"] = step
-            if kind == "preempted":
-                print(f"step {step:>3}: preempted {name} ({tokens} tokens), its blocks freed")
-            else:
-                print(f"step {step:>3}: resumed {name}, {cached} of its {tokens} tokens cached")
-                results[f"{key}_cached"] = cached
-                results[f"{key}_tokens"] = tokens
+    for kind, name, step, tokens, cached in scheduler_events(outputs):
+        nth = sum(n == name for n in order[kind])  # earlier events of this kind
+        key = f"{name}_{kind}" + (f"_{nth + 1}" if nth else "")
+        order[kind].append(name)
+        results[f"{key}_step"] = step
+        if kind == "preempted":
+            print(f"step {step:>3}: preempted {name} ({tokens} tokens), its blocks freed")
+        else:
+            print(f"step {step:>3}: resumed {name}, {cached} of its {tokens} tokens cached")
+            results[f"{key}_cached"] = cached
+            results[f"{key}_tokens"] = tokens
 
     roomy = LLM(MODEL, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS)
     reference = run_to_completion(roomy, names, params)
@@ -105,7 +90,7 @@ def main() -> dict:
     )
     same = all(outputs[n].token_ids == reference[n].token_ids for n in names)
     print()
-    print(f"steps: {len(log)}, preemptions: {tight.stats.preemptions},")
+    print(f"steps: {tight.stats.steps}, preemptions: {tight.stats.preemptions},")
     print(f"  finished: {len(outputs)} of {len(PROMPTS)}")
     print("tokens computed:")
     print(f"  {computed_tight} with {NUM_BLOCKS} blocks, {computed_roomy} with {ROOMY_BLOCKS}")
@@ -121,7 +106,7 @@ def main() -> dict:
         "preempted_order": order["preempted"],
         "resumed_order": order["resumed"],
         **results,
-        "steps": len(log),
+        "steps": tight.stats.steps,
         "preemptions": tight.stats.preemptions,
         "finished": len(outputs),
         "computed_tight": computed_tight,

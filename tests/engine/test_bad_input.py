@@ -79,3 +79,11 @@ def test_bad_prompts_fail_alone_and_the_engine_keeps_serving(qwen3) -> None:
 def test_max_model_len_beyond_the_cache_is_refused(qwen3) -> None:
     with pytest.raises(ValueError, match="does not fit in the KV cache"):
         LLM(qwen3[0], num_kv_blocks=4, block_size=16, max_model_len=100)
+
+
+def test_llm_keywords_are_engine_config_fields(qwen3) -> None:
+    """LLM(...) passes its keywords on to EngineConfig, whose defaults it keeps."""
+    config = LLM(qwen3[0], block_size=8, num_kv_blocks=40).llm_engine.config
+    assert (config.block_size, config.num_kv_blocks, config.max_num_seqs) == (8, 40, 256)
+    with pytest.raises(TypeError, match="blok_size"):
+        LLM(qwen3[0], blok_size=8)

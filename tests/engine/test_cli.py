@@ -4,6 +4,7 @@ bad input is one clear line, not a traceback."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -39,7 +40,14 @@ def test_generate_reports_a_bad_model_path(tmp_path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def table_row(out: str, label: str) -> list[str]:
+    line = next(line for line in out.splitlines() if line.startswith(label))
+    return line[len(label) :].split()
+
+
 def test_bench_prints_both_columns_and_the_ratio(qwen3) -> None:
+    """The table's numbers agree with each other: 4 prompts of 4 tokens are 16
+    output tokens in each column, and the ratio is the two rates' quotient."""
     proc = deepinfer(
         "bench",
         "--model",
@@ -54,11 +62,16 @@ def test_bench_prints_both_columns_and_the_ratio(qwen3) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for row in (
-        "output tokens/s",
-        "TTFT mean (ms)",
-        "inter-token mean (ms)",
-        "outside the model forward",
-        "engine / transformers output tokens/s",
-    ):
-        assert row in out, out
+    rates = [float(v) for v in table_row(out, "output tokens/s")]
+    seconds = [float(v) for v in table_row(out, "total seconds")]
+    assert len(rates) == len(seconds) == 2, out
+    for rate, s in zip(rates, seconds):  # printed to 0.1 tokens/s and 0.01 s
+        assert 16 / (s + 0.005) - 0.05 <= rate <= 16 / max(s - 0.005, 1e-3) + 0.05, out
+    ttft, itl = table_row(out, "TTFT mean (ms)"), table_row(out, "inter-token mean (ms)")
+    assert float(ttft[0]) > 0 and float(itl[0]) > 0 and ttft[1] == itl[1] == "-", out
+    ratio = float(re.search(r"engine / transformers output tokens/s: ([\d.]+)x", out)[1])
+    assert abs(ratio - rates[0] / rates[1]) <= 0.005 + 0.05 * ratio / rates[1], out
+    share = re.search(r"decode step at batch 4: [\d.]+ ms, ([\d.]+)% of it outside", out)
+    assert share and 0 < float(share[1]) < 100, out
+    mean = re.search(r"4 prompts of 8-16 tokens \(mean (\d+)\), 4 output tokens each", out)
+    assert mean and 8 <= int(mean[1]) <= 16, out

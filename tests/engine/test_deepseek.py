@@ -13,15 +13,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata, forward_context
+from engine.attention import AttentionMetadata
+from engine.utils import cdiv
 from tests.engine.conftest import random_prompts
+from tests.engine.test_mtp import run
 
 
 def one_sequence(n: int, context: int, decode: bool) -> AttentionMetadata:
     """The last n of ``context`` tokens of one sequence, in slots 0.. (blocks of 16)."""
     return AttentionMetadata(
         slot_mapping=torch.arange(context - n, context),
-        block_tables=torch.arange(-(-context // 16), dtype=torch.int32)[None],
+        block_tables=torch.arange(cdiv(context, 16), dtype=torch.int32)[None],
         context_lens=torch.tensor([context], dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
         num_decodes=int(decode),
@@ -35,7 +37,7 @@ def test_absorbed_decode_equals_expanded_attention(deepseek) -> None:
     in the query, W_UV on the output, the latents read as one KV head) and once as a
     one-token prompt chunk (expanded into per-head keys and values)."""
     llm = LLM(deepseek[0], block_size=16, num_kv_blocks=8)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.executor.model_runner
     attn = runner.model.model.layers[1].self_attn
     torch.manual_seed(0)
     context = 37
@@ -43,14 +45,10 @@ def test_absorbed_decode_equals_expanded_attention(deepseek) -> None:
     positions = torch.arange(context)
     outputs = []
     for decode in (True, False):
-        meta = one_sequence(context - 1, context - 1, decode=False)  # fill the cache
-        runner.backend.prepare(meta, 16)
-        with torch.no_grad(), forward_context(meta, runner.backend):
-            attn(positions[:-1], x[:-1])
-        meta = one_sequence(1, context, decode=decode)
-        runner.backend.prepare(meta, 16)
-        with torch.no_grad(), forward_context(meta, runner.backend):
-            outputs.append(attn(positions[-1:], x[-1:]))
+        fill = one_sequence(context - 1, context - 1, decode=False)
+        run(runner, fill, lambda: attn(positions[:-1], x[:-1]))
+        last = one_sequence(1, context, decode=decode)
+        outputs.append(run(runner, last, lambda: attn(positions[-1:], x[-1:])))
     absorbed, expanded = outputs
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-6)
     assert expanded.abs().max() > 0.01

@@ -29,10 +29,11 @@ def test_buckets_cover_every_batch_size() -> None:
 @needs_cuda
 def test_cuda_defaults_to_triton_and_graphs(qwen3) -> None:
     llm = LLM(qwen3[0], dtype="float32")
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.executor.model_runner
     assert runner.backend.name == "triton"
     assert runner.graphs is not None and runner.graphs.buckets[-1] == 256
-    assert LLM(qwen3[0], dtype="float32", enforce_eager=True).llm_engine.model_runner.graphs is None
+    eager = LLM(qwen3[0], dtype="float32", enforce_eager=True).llm_engine
+    assert eager.executor.model_runner.graphs is None
 
 
 @pytest.mark.gpu
@@ -46,3 +47,27 @@ def test_graph_replay_matches_eager_and_transformers(qwen3) -> None:
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
     reference = [hf_greedy(model, p, 16) for p in prompts]
     assert [o.token_ids for o in graphs] == reference
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_sampler_never_waits_for_the_gpu() -> None:
+    """Every filter, seeded draws, greedy rows and logprobs, with CUDA set to
+    raise on any host synchronisation: the sampled ids stay on the device."""
+    from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1, logprobs=3),
+        SamplingParams(temperature=0),
+    ] * 4
+    rows = [SamplingRow(p, seed=i, step=i) for i, p in enumerate(params)]
+    md = SamplingMetadata.from_rows(rows, 1000, torch.device("cuda"))
+    logits = torch.randn(len(rows), 1000, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(logits, md)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.sampled_token_ids.device.type == "cuda"
+    assert out.sampled_token_ids[1::2].tolist() == logits[1::2].argmax(-1).tolist()

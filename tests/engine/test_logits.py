@@ -15,8 +15,8 @@ def test_first_token_logits_match_transformers(checkpoint) -> None:
     prompts = random_prompts(4, seed=11)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=1))
-    batch, logits = engine.model_runner.forward(engine.scheduler.schedule())
-    assert [s.token_ids for s in batch.sampled] == prompts
+    batch, logits = engine.executor.model_runner.forward(engine.scheduler.schedule())
+    assert batch.req_ids == ["0", "1", "2", "3"]
     for prompt, row in zip(prompts, logits):
         with torch.no_grad():
             expected = model(torch.tensor([prompt])).logits[0, -1]

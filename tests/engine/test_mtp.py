@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from engine import LLM
 from engine.attention import AttentionMetadata, forward_context
+from engine.utils import cdiv
 from tests.engine import deepseek_reference as ref
 from tests.engine.conftest import build_checkpoint, random_prompts
 
@@ -18,7 +19,7 @@ def step_meta(positions: list[int], context: int, decode: bool) -> AttentionMeta
     n = len(positions)
     return AttentionMetadata(
         slot_mapping=torch.tensor(positions),
-        block_tables=torch.arange(-(-context // 16), dtype=torch.int32)[None],
+        block_tables=torch.arange(cdiv(context, 16), dtype=torch.int32)[None],
         context_lens=torch.tensor([context], dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
         num_decodes=1 if decode else 0,
@@ -28,8 +29,9 @@ def step_meta(positions: list[int], context: int, decode: bool) -> AttentionMeta
 
 
 def run(runner, meta: AttentionMetadata, fn):
-    runner.backend.prepare(meta, 16)
-    with torch.no_grad(), forward_context(meta, runner.backend):
+    """fn() as the model runner runs a forward pass: under the step's context."""
+    attn_metadata = runner.backend.build_metadata(meta)
+    with torch.no_grad(), forward_context(meta, attn_metadata, runner.backend):
         return fn()
 
 
@@ -38,7 +40,7 @@ def test_mtp_matches_float64_reference(tmp_path) -> None:
     cfg = hf.config
     cfg.rope_theta = cfg.rope_parameters["rope_theta"]
     llm = LLM(tmp_path, block_size=16, num_kv_blocks=8)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.executor.model_runner
     model = runner.model
     assert len(model.model.mtp) == cfg.num_nextn_predict_layers == 1
     ids = torch.tensor(random_prompts(1, seed=41, low=40, high=41)[0])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention import forward_context
+from engine.attention.torch_backend import TorchBackend
 from engine.config import _rope_scaling
 from engine.layers.rotary_embedding import RotaryEmbedding, attention_factor, inverse_frequencies
 
@@ -59,7 +61,8 @@ def test_rotary_matches_transformers(rope: dict, interleave: bool) -> None:
     q, k = torch.randn(40, 4, ROPE_DIM), torch.randn(40, 1, ROPE_DIM)
     cos, sin = hf(q, positions[None])
     hf_q, hf_k = apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    got_q, got_k = ours(positions, q, k)
+    with forward_context(None, None, TorchBackend(block_size=16)):  # torch's RoPE
+        got_q, got_k = ours(positions, q, k)
     torch.testing.assert_close(got_q, hf_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, hf_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     # The cases cover YaRN's cos/sin scale both at 1 (mscale == mscale_all_dim) and not.

@@ -3,7 +3,10 @@ the newest sequence is preempted first, and nothing is ever dropped."""
 
 from __future__ import annotations
 
+import torch
+
 from engine.block_manager import BlockManager
+from engine.outputs import EngineCoreEventType, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -15,13 +18,12 @@ def make(num_blocks: int, budget: int, block_size: int = 4) -> Scheduler:
 
 
 def run_step(sched: Scheduler, new_token: int = 7) -> list[tuple[str, int]]:
-    """One step as the engine does it, sampling a fixed token."""
+    """One step as the engine does it, with a model that always samples ``new_token``."""
     out = sched.schedule()
-    sched.advance(out)
-    for item in out.scheduled:
-        if item.seq.num_computed_tokens == item.seq.num_tokens:
-            item.seq.token_ids.append(new_token)
-    return [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled]
+    sampled = [item.req_id for item in out.scheduled if item.samples]
+    tokens = torch.full((len(sampled),), new_token)
+    sched.update_from_output(out, ModelRunnerOutput(sampled, tokens))
+    return [(item.req_id, item.num_new_tokens) for item in out.scheduled]
 
 
 def test_long_prompt_is_chunked_alongside_decodes() -> None:
@@ -57,10 +59,56 @@ def test_newest_is_preempted_first_and_resumes_later() -> None:
     for _ in range(40):
         for s in list(sched.running):
             if s.num_tokens >= 14:
-                sched.finish(s, "length")
+                sched.finish_requests([s.request_id], "length")
         if not sched.has_unfinished():
             break
         run_step(sched)
     assert not sched.has_unfinished()
     assert all(s.status is SequenceStatus.FINISHED for s in seqs)
     assert seqs[2].num_preemptions >= 1
+
+
+def test_a_preempted_sequence_goes_back_in_front_of_those_waiting() -> None:
+    sched = make(num_blocks=4, budget=64, block_size=4)
+    s0, s1, s2 = (Sequence(f"s{i}", [i] * 8, SamplingParams()) for i in range(3))
+    for s in (s0, s1, s2):
+        sched.add(s)
+    assert run_step(sched) == [("s0", 8), ("s1", 8)]  # s2 waits: no block is left
+    assert list(sched.waiting) == [s2]
+    # s0's 9th token needs a block: s1, the newest running, gives its two up and
+    # queues in front of s2, which arrived after it.
+    assert run_step(sched) == [("s0", 1)]
+    assert list(sched.waiting) == [s1, s2]
+    # s0 finishes; s1 is admitted before s2.
+    sched.finish_requests(["s0"], "length")
+    assert [name for name, _ in run_step(sched)][0] == "s1"
+
+
+def test_events_record_what_the_scheduler_did_in_order() -> None:
+    """Queued, admitted, preempted and resumed, with the step each happened in and
+    an index that orders them across requests. A request's events leave with its
+    next output, once; a preempted request's wait until it outputs again."""
+    sched = make(num_blocks=6, budget=64, block_size=4)
+    seqs = [Sequence(f"s{i}", [i] * 4, SamplingParams(max_tokens=12)) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    reported: dict[str, list] = {s.request_id: [] for s in seqs}
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sampled = [item.req_id for item in out.scheduled if item.samples]
+        tokens = torch.full((len(sampled),), 7)
+        for core in sched.update_from_output(out, ModelRunnerOutput(sampled, tokens)):
+            reported[core.request_id] += core.events
+    E = EngineCoreEventType
+    assert [(e.type, e.step) for e in reported["s0"]] == [(E.QUEUED, 1), (E.SCHEDULED, 1)]
+    events = sorted((e, name) for name, es in reported.items() for e in es)  # by index
+    assert len({e.index for e, _ in events}) == len(events)  # each reported once
+    assert [e.step for e, _ in events] == sorted(e.step for e, _ in events)
+    # Step 6 computes everyone's 9th token, which needs a third block: the newest
+    # gives way. At step 10, the 13th token needs a fourth: the next newest does.
+    preempted = [(e.step, name, e.num_tokens) for e, name in events if e.type is E.PREEMPTED]
+    assert preempted[:2] == [(6, "s2", 9), (10, "s1", 13)]
+    for name in ("s1", "s2"):  # each comes back after it gave way, and finishes
+        kinds = [e.type for e in reported[name]]
+        assert kinds[:3] == [E.QUEUED, E.SCHEDULED, E.PREEMPTED] and E.SCHEDULED in kinds[3:]
+    assert all(s.events == [] for s in seqs)

@@ -47,3 +47,16 @@ def test_abort_frees_blocks_and_others_continue(qwen3) -> None:
         done += [o.request_id for o in engine.step() if o.finished]
     assert sorted(done) == ["r0", "r2"]
     assert engine.block_manager.num_free_blocks == 64
+
+
+def test_a_dropped_engine_is_freed_at_once(qwen3) -> None:
+    """The engine freezes its start-up heap out of the garbage collector's scans,
+    so it must hold no reference cycles: dropping it frees it, model and cache."""
+    import weakref
+
+    llm = LLM(qwen3[0])
+    llm.generate(random_prompts(2, seed=53), SamplingParams(max_tokens=3), use_tqdm=False)
+    runner = llm.llm_engine.executor.model_runner
+    refs = [weakref.ref(o) for o in (llm.llm_engine, runner.model, runner.kv_cache)]
+    del llm, runner
+    assert [r() for r in refs] == [None, None, None]

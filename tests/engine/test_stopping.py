@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import detokenize_incrementally, start_detokenizer
-from engine.sequence import Sequence
+from engine.detokenizer import IncrementalDetokenizer
 from tests.engine.conftest import EOS, random_prompts
 
 
@@ -33,27 +32,32 @@ def test_incremental_detokenizer_on_multibyte_characters(llm) -> None:
     tok = llm.tokenizer
     text = "naïve café — 東京 😀 done"
     ids = tok.encode(text).ids
-    seq = Sequence("x", ids[:1], greedy())
-    start_detokenizer(seq)
+    detok = IncrementalDetokenizer(tok, ids[:1], stop=[])
     pieces = []
     for t in ids[1:]:
-        seq.token_ids.append(t)
-        piece = detokenize_incrementally(tok, seq)
+        before = detok.text
+        detok.update([t], finished=False)
+        piece = detok.text[len(before) :]
         assert "\ufffd" not in piece
         pieces.append(piece)
     assert tok.decode(ids[:1]) + "".join(pieces) == text
 
 
-def test_stop_string_spanning_tokens_is_cut(llm) -> None:
+def spanning_stop(llm) -> tuple[str, str]:
+    """The free-running greedy text, and a stop string in it that straddles a
+    token boundary: its first two characters end one token, the rest begin the next."""
     free = llm.generate([PROMPT], greedy(max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
-    # Choose a stop string that straddles a token boundary in the free-running text.
     tok = llm.tokenizer
     offsets, pos = [], 0
     for t in free.token_ids:
         pos += len(tok.decode([t]))
         offsets.append(pos)
     boundary = next(o for o in offsets[3:] if 2 <= o < len(free.text) - 2)
-    stop = free.text[boundary - 2 : boundary + 2]
+    return free, free.text[boundary - 2 : boundary + 2]
+
+
+def test_stop_string_spanning_tokens_is_cut(llm) -> None:
+    free, stop = spanning_stop(llm)
     first = free.text.find(stop)
     out = llm.generate(
         [PROMPT], greedy(max_tokens=40, ignore_eos=True, stop=[stop]), use_tqdm=False
@@ -62,6 +66,21 @@ def test_stop_string_spanning_tokens_is_cut(llm) -> None:
     assert out.text == free.text[:first]
     assert free.token_ids[: len(out.token_ids)] == out.token_ids
     assert len(out.token_ids) < len(free.token_ids)
+
+
+def test_streamed_text_holds_back_a_possible_stop_string(llm) -> None:
+    """Step by step, the text shown so far never includes the start of a stop
+    string that a later token completes: each one is a prefix of the final text."""
+    free, stop = spanning_stop(llm)
+    engine = llm.llm_engine
+    engine.add_request("stream", PROMPT, greedy(max_tokens=40, ignore_eos=True, stop=[stop]))
+    streamed = []
+    while engine.has_unfinished_requests():
+        streamed += [out.text for out in engine.step()]
+    final = streamed[-1]
+    assert final == free.text[: free.text.find(stop)]
+    assert all(final.startswith(text) for text in streamed), (streamed, stop)
+    assert len(streamed) > 2
 
 
 def test_stop_token_ids_and_max_tokens(llm) -> None:

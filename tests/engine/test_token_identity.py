@@ -1,7 +1,7 @@
 """The oracle: the engine's greedy tokens equal transformers' generate, token for
 token, for a batch of prompts of different lengths, under every scheduling
 regime the engine has: plain, chunked prefill, preemption, shared prefixes,
-one-token blocks and large blocks."""
+all three at once, one-token blocks and large blocks."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ CONFIGS = {
     "chunked-prefill": {"max_num_batched_tokens": 24},
     "preemption": {"num_kv_blocks": 12},
     "prefix-sharing": {"max_num_seqs": 3},
+    # Chunks, preemptions and prefix hits in the same run: a block published
+    # before all of its tokens are computed is hit by another request.
+    "chunked-preempted-shared": {
+        "max_num_batched_tokens": 12,
+        "num_kv_blocks": 26,
+        "block_size": 4,
+    },
     "block-size-1": {"block_size": 1},
     "block-size-128": {"block_size": 128},
 }
@@ -46,9 +53,9 @@ def test_greedy_tokens_match_transformers(checkpoint, reference, config) -> None
         assert out.token_ids == ref, f"{arch}/{config}: prompt {i} differs"
         assert out.finish_reason == ("stop" if ref[-1] == 2 and len(ref) < MAX_TOKENS else "length")
     stats = llm.stats
-    if config == "chunked-prefill":
+    if config in ("chunked-prefill", "chunked-preempted-shared"):
         assert stats.partial_prefills > 0, stats
-    if config == "preemption":
+    if config in ("preemption", "chunked-preempted-shared"):
         assert stats.preemptions > 0, stats
-    if config == "prefix-sharing":
+    if config in ("prefix-sharing", "chunked-preempted-shared"):
         assert stats.prefix_cache_hit_tokens > 0, stats

@@ -1,6 +1,7 @@
 """The whole engine on the Triton backend, under Triton's interpreter on CPU:
 the same greedy tokens as the torch reference backend and as transformers, through
-plain prefill, chunked prefill, prefix-cache hits and decode."""
+plain prefill, chunked prefill, prefix-cache hits and decode, and decodes whose
+context is cut into several of the decode kernel's splits."""
 
 from __future__ import annotations
 
@@ -42,6 +43,32 @@ SCRIPT = textwrap.dedent(
     """
 )
 
+# Contexts past the decode kernel's split size, so decode merges several splits,
+# beside a short one that needs one; checked against transformers too.
+LONG_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from transformers import AutoModelForCausalLM
+    from engine import LLM, SamplingParams
+    from engine.kernels.decode_attention import KV_SPLIT_SIZE
+    from tests.engine.conftest import hf_greedy, random_prompts
+
+    path = sys.argv[1]
+    prompts = random_prompts(1, seed=74, low=KV_SPLIT_SIZE - 6, high=KV_SPLIT_SIZE - 5)
+    prompts += random_prompts(1, seed=75, low=KV_SPLIT_SIZE + 40, high=KV_SPLIT_SIZE + 41)
+    prompts += random_prompts(1, seed=76, low=5, high=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(path, attention_backend="triton")
+    triton_tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    assert triton_tokens == expected, (triton_tokens, expected)
+    print("identical past", KV_SPLIT_SIZE)
+    """
+)
+
 
 def run(script: str, *args: str, interpret: bool) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -66,3 +93,9 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(qwen3) -> None:
     assert proc.returncode != 0
     assert "set TRITON_INTERPRET=1" in proc.stderr
     assert 'attention_backend="torch"' in proc.stderr
+
+
+def test_triton_decode_past_one_split_matches_transformers(qwen3) -> None:
+    proc = run(LONG_SCRIPT, str(qwen3[0]), interpret=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "identical past 256"

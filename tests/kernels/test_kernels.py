@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from engine.kernels.availability import compiled_kernel_modules  # noqa: E402
+from engine.kernels.availability import compiled_kernel_modules, interpreter_active  # noqa: E402
 
 if compiled_kernel_modules() or not triton.knobs.runtime.interpret:
     # Triton (or engine.kernels) was imported in this process before the variable
@@ -60,6 +60,7 @@ from engine.kernels import (  # noqa: E402
 )
 from engine.kernels.decode_attention import KV_SPLIT_SIZE  # noqa: E402
 from engine.kernels.prefill_attention import BLOCK_M  # noqa: E402
+from engine.utils import cdiv  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -115,7 +116,7 @@ def make_paged_cache(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V caches and block tables: blocks shuffled over the cache, spare blocks in it,
     tables padded with -1, and every slot outside a sequence's context NaN."""
-    needed = [-(-n // block_size) for n in context_lens]
+    needed = [cdiv(n, block_size) for n in context_lens]
     num_blocks = sum(needed) + 3
     order = torch.randperm(num_blocks).int()
     width = max(needed) + 2
@@ -394,8 +395,15 @@ def test_rotary_embedding(dtype: torch.dtype, head_dim: int, seed: int, poison: 
 # ---------------------------------------------------------------------------- availability
 
 
-def test_check_available_on_cpu_with_interpreter() -> None:
-    check_available("cpu")
+def test_check_available_on_cpu_with_interpreter(seed: int) -> None:
+    """The check passes here, and rightly: its conditions hold and a kernel runs."""
+    assert interpreter_active() and compiled_kernel_modules() == []
+    assert check_available("cpu") is None
+    assert check_available(torch.device("cpu")) is None
+    x, weight = torch.randn(3, 64), torch.randn(64)
+    check(rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), 1e-5, seed, "rms_norm")
+    with pytest.raises(RuntimeError, match="not on meta"):
+        check_available("meta")
 
 
 def test_check_available_on_cpu_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

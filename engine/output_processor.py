@@ -1,0 +1,119 @@
+"""The front end's half of a step: each request's new tokens become what its
+caller sees.
+
+The output processor owns everything about a request that scheduling does not
+need: its text, detokenized one token at a time, its stop strings, its logprobs
+and its timings. It reads only EngineCoreOutputs, which are plain data, so the
+server of Chapter 8 can run it in its front-end process, apart from the engine
+core that schedules and runs the model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import EngineCoreEvent, EngineCoreOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """One request, as the front end follows it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer: ids only
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished
+    events: list[EngineCoreEvent] = field(default_factory=list)  # what the scheduler did
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # ended here by a stop string: the core must stop them too
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        detokenizer = (
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            if self.tokenizer is not None
+            else None
+        )
+        self.states[request_id] = RequestState(
+            request_id, prompt, list(prompt_token_ids), params, detokenizer
+        )
+        self.states[request_id].metrics["arrival"] = time.perf_counter()
+
+    def abort_request(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Fold each request's new tokens in; a request that ends is forgotten."""
+        processed = ProcessedOutputs([], [])
+        for out in outputs:
+            state = self.states[out.request_id]
+            reason = self._update(state, out)
+            if reason == "stop" and out.finish_reason is None:  # a stop string
+                processed.reqs_to_abort.append(out.request_id)
+            if reason is not None:
+                del self.states[out.request_id]
+            processed.request_outputs.append(self._request_output(state, reason))
+        return processed
+
+    def _update(self, state: RequestState, out: EngineCoreOutput) -> str | None:
+        """The request's text, logprobs and timings; its finish reason, if it ended."""
+        now = time.perf_counter()
+        state.metrics.setdefault("first_token", now)
+        state.token_ids += out.new_token_ids
+        state.num_cached_tokens = out.num_cached_tokens
+        state.events += out.events
+        n = state.params.logprobs
+        for ids, values in out.new_logprobs or []:
+            entry = dict(zip(ids[1 : 1 + n], values[1 : 1 + n]))  # the top n...
+            entry[ids[0]] = values[0]  # ...and the chosen token
+            state.logprobs.append(entry)
+        reason = out.finish_reason
+        detok = state.detokenizer
+        if detok is not None and detok.update(out.new_token_ids, finished=reason is not None):
+            reason = "stop"  # a stop string: the text ends here, and the core must stop too
+        if reason is not None:
+            state.metrics["finished"] = now
+        return reason
+
+    @staticmethod
+    def _request_output(state: RequestState, reason: str | None) -> RequestOutput:
+        finished = reason is not None
+        detok = state.detokenizer
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            token_ids=list(state.token_ids),
+            text=detok.visible_text(finished) if detok is not None else "",
+            finished=finished,
+            finish_reason=reason,
+            logprobs=list(state.logprobs) if state.params.logprobs is not None else None,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=dict(state.metrics),
+            events=list(state.events),
+        )

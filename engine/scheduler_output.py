@@ -1,0 +1,44 @@
+"""What the scheduler decides for one step, in terms the model runner can read
+without knowing the scheduler: request ids, token ids, block ids and settings.
+
+Everything here is plain data, so that a model runner in another process
+(Chapter 4's expert parallelism) can receive it as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen: what it keeps until the request ends."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    seed: int  # the request's own random stream (see layers/sampler.py)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    req_id: str
+    token_ids: list[int]  # the new tokens, whose keys and values this step computes
+    num_computed_tokens: int  # tokens already in the cache: token_ids[0] sits at this position
+    block_table: list[int]  # logical -> physical block; the scheduler's own list, read this step
+    samples: bool  # does this step reach the request's last token, so that it samples after it?
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # ended since the last step
