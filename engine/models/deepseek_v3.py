@@ -196,17 +196,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def mtp_logits(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        depth: int = 0,
+        self, positions: torch.Tensor, hidden: torch.Tensor, next_token_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Logits of token i+2 from the main model's final hidden state at position i
-        and token i+1, for each row; MTP module ``depth`` attends, through its own
-        paged cache, over the rows it saw before (runs under forward_context)."""
-        module = self.model.mtp[depth]
-        x = module.predict(positions, hidden, self.model.embed_tokens(next_token_ids))
+        """Logits of token i+2 for each row: from the main model's final hidden state
+        at position i and token i+1, through the first MTP module (DeepSeek-V3 ships
+        one). Runs under forward_context, as the model does: the module's attention
+        stores these rows in its own paged cache and attends over the rows of the
+        same sequence it stored before."""
+        x = self.model.mtp[0].predict(positions, hidden, self.model.embed_tokens(next_token_ids))
         return self.lm_head(x)
 
     def attention_layers(self) -> list[MLAAttention]:
