@@ -172,6 +172,10 @@ class TinyMoE(nn.Module):
         from transformers import DeepseekV3ForCausalLM
 
         self.lm = DeepseekV3ForCausalLM(build_config(spec, vocab_size, eot))
+        # One expert at a time (the MTP block shares the config): the default grouped
+        # matmul's backward sums a token's top-k gradients in an order that varies
+        # between runs on 2 threads, and two runs would not write the same weights.
+        self.lm.set_experts_implementation("eager")
         self.mtp = MTPModule(self.lm.config, spec.num_hidden_layers)
         self.mtp.apply(self.lm._init_weights)  # transformers' init; experts start uninitialised
 
