@@ -40,8 +40,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Blocks no sequence holds, least recently freed first. A freed block that
-        # is still in the prefix cache keeps its hash until it is reused.
+        # Blocks no sequence holds, in the order they will be reused: blocks with
+        # nothing worth keeping first, then cached blocks, least recently freed
+        # first. A freed block that is still cached keeps its hash until reused.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[bytes, int] = {}  # hash -> block id
 
@@ -99,7 +100,8 @@ class BlockManager:
         return True
 
     def _reclaim(self) -> int:
-        """Pop the least recently freed block; if it was cached, forget it."""
+        """Pop the block at the front of the free list (an unhashed one if any, else
+        the cached block freed longest ago); if it was cached, forget it."""
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:

@@ -65,7 +65,8 @@ def test_swapped_outputs_are_caught() -> None:
 
 def test_output_outside_its_output_block_is_caught() -> None:
     text = CH01.read_text()
-    moved = text.replace(f'??? output "Output"\n    ```text\n{E01_OUT}', f"```text\n{E01_OUT[4:]}")
+    folded = '??? output "Output, and what it shows"\n    ```text\n' + E01_OUT
+    moved = text.replace(folded, f"```text\n{E01_OUT[4:]}")
     assert moved != text
     assert any("not inside an '??? output' block" in p for p in misplaced_outputs(moved))
 

@@ -4,6 +4,7 @@ and every way of getting one wrong is an error that names the page and line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,39 @@ def test_results_must_be_named_plain_values() -> None:
     with pytest.raises(TypeError, match="must return a dict"):
         runner.check_results("x.py", [1, 2])
     assert runner.check_results("x.py", None) == {}
+
+
+def test_a_number_that_starts_a_line_does_not_start_a_list(book: Path) -> None:
+    """In a list item's continuation line, "1120. Next" would begin item 1120."""
+    text, errors = sub(book, '- a run\n  {{ result("ch02/demo_x", "hits") }}. Next, and\n')
+    assert errors == [] and text == "- a run\n  1120\\. Next, and\n"
+    text, _ = sub(book, 'Then {{ result("ch02/demo_x", "hits") }}. Next\n')
+    assert text == "Then 1120. Next\n"  # mid-line: nothing to escape
+    import markdown
+
+    html = markdown.markdown("- a run\n  1120\\. Next, and")
+    assert "<ol" not in html and "1120. Next" in html
+
+
+def test_a_value_that_shows_as_nothing_is_an_error(book: Path) -> None:
+    (book / "snippets" / "ch02" / "demo_x.json").write_text('{"none": [], "blank": ""}')
+    for name in ("none", "blank"):
+        _, errors = sub(book, f'{{{{ result("ch02/demo_x", "{name}") }}}}\n')
+        assert errors and "shows as nothing" in errors[0]
+
+
+LIST_ITEM = re.compile(r"^\s*\d[\d,]*[.)](\s|$)")
+
+
+def test_no_page_gains_a_numbered_list_from_a_value() -> None:
+    """Every line that reads as a numbered-list item after substitution was one
+    before it: a recorded value never opens a list (as '255. On paper' once did)."""
+    gained = []
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        source = path.read_text()
+        page = path.relative_to(ROOT / "docs").as_posix()
+        shown, _ = results.substitute(ROOT, page, source)
+        for n, (before, after) in enumerate(zip(source.splitlines(), shown.splitlines()), 1):
+            if LIST_ITEM.match(after) and not LIST_ITEM.match(before):
+                gained.append(f"docs/{page}:{n}: {after.strip()[:60]}")
+    assert not gained, "\n".join(gained)

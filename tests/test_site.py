@@ -131,7 +131,8 @@ def test_reader_session(page, site) -> None:
     assert page.evaluate("window.__sameDocument === true"), "navigation reloaded the page"
 
     # Math renders (KaTeX, vendored) on the page reached by instant navigation.
-    page.locator(".arithmatex .katex").first.wait_for(timeout=10_000)
+    # (the first formula may sit in a folded output: rendered, but not visible yet)
+    page.locator(".arithmatex .katex").first.wait_for(state="attached", timeout=10_000)
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "site-chapter-1.png"))

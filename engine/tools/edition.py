@@ -267,7 +267,6 @@ def write_manifest(root: Path) -> Path:
     return path
 
 
-# --8<-- [start:edition_check]
 @dataclass
 class Difference:
     status: str  # "changed", "moved" or "vanished"
@@ -323,9 +322,6 @@ def _locate(root: Path, entry: dict) -> Excerpt | None:
         except (ExcerptError, SyntaxError):
             continue
     return None
-
-
-# --8<-- [end:edition_check]
 
 
 def report(root: Path, manifest: dict, diffs: list[Difference]) -> str:

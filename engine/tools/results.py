@@ -144,13 +144,26 @@ def lookup(root: Path, b: Binding) -> Value:
 def format_value(value: Value, spec: str) -> str:
     """A value as the page asks: a format spec applies to each item of a list."""
     if isinstance(value, list):
+        if not value:
+            raise ResultError("an empty list shows as nothing")
         return ", ".join(format_value(v, spec) for v in value)
     if isinstance(value, float) and not spec:
         raise ResultError(f"{value!r} is a float: give a format spec such as '.2f' or '.1%'")
     try:
-        return format(value, spec)
+        shown = format(value, spec)
     except (ValueError, TypeError) as err:
         raise ResultError(f"cannot format {value!r} with {spec!r}: {err}") from None
+    if not shown.strip():
+        raise ResultError(f"{value!r} shows as nothing")
+    return shown
+
+
+def _not_a_list_marker(shown: str, before: str, after: str) -> str:
+    """A number that starts a line, followed by "." or ")" and a space, would make
+    Markdown begin a numbered list there ("255. On paper" becomes item 255): escape it."""
+    if not before.strip() and re.fullmatch(r"[\d,]+", shown) and re.match(r"[.)](\s|$)", after):
+        return shown + "\\"
+    return shown
 
 
 def substitute(root: Path, page: str, markdown: str) -> tuple[str, list[str]]:
@@ -160,13 +173,14 @@ def substitute(root: Path, page: str, markdown: str) -> tuple[str, list[str]]:
     lines = markdown.splitlines(keepends=True)
     for i, text in enumerate(lines):
 
-        def one(m: re.Match, number: int = i + 1) -> str:
+        def one(m: re.Match, number: int = i + 1, line: str = text) -> str:
             try:
                 b = binding(page, number, m["call"])
-                return format_value(lookup(root, b), b.spec)
+                shown = format_value(lookup(root, b), b.spec)
             except (ResultError, ExcerptError, SyntaxError) as err:
                 errors.append(f"docs/{page}:{number}: {m[0]}: {err}")
                 return m[0]
+            return _not_a_list_marker(shown, line[: m.start()], line[m.end() :])
 
         lines[i] = PLACEHOLDER.sub(one, text)
     return "".join(lines), errors

@@ -12,6 +12,7 @@ log-probabilities within LOGPROB_TOL.
 from __future__ import annotations
 
 import os
+import textwrap
 
 from engine import LLM, SamplingParams
 from engine.cuda_graph import batch_buckets
@@ -71,6 +72,11 @@ def main() -> dict:
     print()
     print(f"tokens computed: {computed} with the cache, {fresh.stats.prefill_tokens} recomputing")
     print(f"text: {out.text!r}")
+    print()
+    print("on a GPU, decode-only steps replay CUDA graphs")
+    print("captured for these batch sizes (none on a CPU):")
+    for line in textwrap.wrap(", ".join(map(str, facts["cuda_graph_buckets"])), 50):
+        print(f"  {line}")
     return {
         **facts,
         "prompt_tokens": len(prompt_ids),

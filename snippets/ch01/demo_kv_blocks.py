@@ -53,6 +53,7 @@ def main() -> dict:
     print()
     print("each change in a request's block count:")
     print(f"{'step':>4}  {'request':<7}  {'tokens in cache':>15}  {'blocks':>6}  {'free':>4}")
+    print(f"{'':>4}  {'':<7}  {'':>15}  {'':>6}  {'after':>4}")
     results: dict = {}
     state = {r: cache_view(engine, r) for r in PROMPTS}
     step, finished = 0, {}

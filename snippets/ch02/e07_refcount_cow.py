@@ -99,6 +99,7 @@ def run(seed: int = SEED) -> tuple[BlockPool, dict]:
         freed = [f"b{b}" for b in blocks if pool.refs[b] == 0]
         step("free", seq, f"frees {','.join(freed) or 'none'}", blocks)
 
+    print(f"-- {SAMPLES} samples of one prompt, one token each")
     for _ in range(PROMPT):
         pool.append("s0", rng.randrange(100))
     step("prompt", "s0", f"{PROMPT} tokens")
@@ -109,6 +110,7 @@ def run(seed: int = SEED) -> tuple[BlockPool, dict]:
         step("append", seq, pool.append(seq, rng.randrange(100)))
     first_copies = pool.copies  # made by the first append of each sample
     names = SAMPLES
+    print(f"-- {RANDOM_OPS} random forks, appends and frees")
     for _ in range(RANDOM_OPS):
         live = sorted(pool.tables)
         seq, roll = rng.choice(live), rng.random()
@@ -120,6 +122,7 @@ def run(seed: int = SEED) -> tuple[BlockPool, dict]:
         else:
             step("append", seq, pool.append(seq, rng.randrange(100)))
     last = sorted(pool.tables)
+    print("-- the end: every sequence left is freed")
     for seq in last:
         free(seq)
     return pool, {"copies_in_first_appends": first_copies, "last_freed": last[-1]}
