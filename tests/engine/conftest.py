@@ -239,6 +239,12 @@ def deepseek(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return path, build_checkpoint("deepseek", path)
 
 
+@pytest.fixture(scope="session")
+def deepseek_yarn(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("deepseek-yarn-single")
+    return path, build_checkpoint("deepseek-yarn", path)
+
+
 def random_prompts(n: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=g).tolist()

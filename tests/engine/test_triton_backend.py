@@ -80,7 +80,10 @@ def run(script: str, *args: str, interpret: bool) -> subprocess.CompletedProcess
     )
 
 
-@pytest.mark.parametrize("model", ["qwen3", "deepseek"])  # deepseek: the MLA decode kernel
+# deepseek: the MLA decode kernel, with low-rank queries, interleaved RoPE and grouped
+# routing; deepseek_yarn: with direct queries, YaRN (its softmax scale and cos/sin) and
+# one expert group.
+@pytest.mark.parametrize("model", ["qwen3", "deepseek", "deepseek_yarn"])
 def test_triton_backend_matches_torch_backend(model, request) -> None:
     proc = run(SCRIPT, str(request.getfixturevalue(model)[0]), interpret=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
