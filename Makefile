@@ -38,10 +38,12 @@ $(VENV)/.pdf: pyproject.toml $(VENV)/.docs
 	$(BIN)/pip install -q --group docs --group pdf
 	touch $@
 
-# Everything: the engine (editable), torch, triton, the test-only oracle and tools.
+# Everything: the engine (editable), torch, triton, the test-only oracle and tools,
+# and the engine's C++ CPU operators, built once here (engine/csrc; they are cached).
 $(VENV)/.all: pyproject.toml $(VENV)/.docs
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e . --group docs --group test
+	$(BIN)/python -m engine.csrc
 	touch $@
 
 serve: $(VENV)/.docs

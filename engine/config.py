@@ -193,7 +193,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the checkpoint's, capped by the cache
     enable_prefix_caching: bool = True
-    attention_backend: str | None = None  # None: "triton" on cuda, else "torch"
+    attention_backend: str | None = None  # None: see _default_backend
     seed: int = 0
     # None: 0.9 of free GPU memory, or 0.2 of available RAM on CPU (see ModelRunner)
     kv_cache_memory_fraction: float | None = None
@@ -217,8 +217,20 @@ class EngineConfig:
         elif isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
         if self.attention_backend is None:
-            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
-        if self.attention_backend not in ("torch", "triton"):
+            self.attention_backend = self._default_backend()
+        if self.attention_backend not in ("torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+                "attention_backend must be 'torch', 'cpu' or 'triton', "
+                f"got {self.attention_backend!r}"
             )
+
+    def _default_backend(self) -> str:
+        """Triton's kernels on a GPU. On the CPU, the C++ decode operator when it
+        builds here and supports the dtype, else the plain torch reference."""
+        if self.device.startswith("cuda"):
+            return "triton"
+        from engine import csrc
+
+        if self.dtype in (torch.float32, torch.bfloat16) and csrc.load():
+            return "cpu"
+        return "torch"

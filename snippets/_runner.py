@@ -38,7 +38,7 @@ def discover() -> list[str]:
 
 def fixed_env() -> dict[str, str]:
     """The one environment every snippet runs in: seeded hashing, UTC, one thread, CPU."""
-    keep = ("PATH", "HOME", "TMPDIR", "VIRTUAL_ENV", "SYSTEMROOT")
+    keep = ("PATH", "HOME", "TMPDIR", "VIRTUAL_ENV", "SYSTEMROOT", "TORCH_EXTENSIONS_DIR", "CXX")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(
         PYTHONHASHSEED="0",

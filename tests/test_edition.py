@@ -172,3 +172,22 @@ def test_directives_inside_html_comments_are_not_collected(checkout: Path) -> No
         )
     )
     assert [e["name"] for e in edition.collect(checkout)] == ["Pool.allocate"]
+
+
+def test_a_cpp_section_is_an_excerpt_and_its_edits_are_reported(tmp_path: Path) -> None:
+    (tmp_path / "engine" / "csrc").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    src = tmp_path / "engine" / "csrc" / "op.cpp"
+    src.write_text(
+        "int a;\n// --8<-- [start:body]\nint twice(int x) { return 2 * x; }\n// --8<-- [end:body]\n"
+    )
+    (tmp_path / "docs" / "ch01.md").write_text('# 1. Op\n\n--8<-- "engine/csrc/op.cpp:body"\n')
+    edition.write_manifest(tmp_path)
+    [entry] = json.loads((tmp_path / edition.MANIFEST).read_text())["excerpts"]
+    assert (entry["file"], entry["name"], entry["lines"]) == ("engine/csrc/op.cpp", "body", [3, 3])
+    assert {"twice", "x"} <= edition.defined_names(tmp_path)
+    with pytest.raises(edition.ExcerptError, match="not Python"):
+        edition.extract(tmp_path, "engine/csrc/op.cpp", "twice", "name")
+    src.write_text(src.read_text().replace("2 * x", "x + x"))
+    code, out = edition.check(tmp_path)
+    assert code == 1 and "changed" in out and "op.cpp" in out

@@ -105,7 +105,8 @@ def _source_url(config, file: str, start: int, end: int) -> str | None:
 
 
 def _fence(indent: str, ex, title: str) -> list[str]:
-    head = f'{indent}```python title="{title}" linenums="{ex.start}"'
+    language = "cpp" if ex.file.endswith(".cpp") else "python"
+    head = f'{indent}```{language} title="{title}" linenums="{ex.start}"'
     body = [f"{indent}{line}" if line else "" for line in ex.text.splitlines()]
     return [head, *body, f"{indent}```"]
 

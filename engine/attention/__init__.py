@@ -87,11 +87,20 @@ def get_backend(name: str, device: str, block_size: int) -> AttentionBackend[Any
         from engine.attention.torch_backend import TorchBackend
 
         return TorchBackend(block_size)
+    if name == "cpu":
+        from engine import csrc
+        from engine.attention.cpu_backend import CpuBackend
+
+        if not csrc.load():
+            raise RuntimeError(
+                'the C++ CPU operators are unavailable; use attention_backend="torch"'
+            )
+        return CpuBackend(block_size)
     if name == "triton":
         from engine.attention.triton_backend import TritonBackend
 
         return TritonBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'cpu' or 'triton'")
 
 
 @dataclass

@@ -7,7 +7,8 @@ A page quotes engine code with one directive line, resolved at build time:
     --8<-- "engine/scheduler.py:admission"                    (a named section)
 
 A named section is marked in the source with pymdownx.snippets' own markers,
-``# --8<-- [start:admission]`` and ``# --8<-- [end:admission]``.
+``# --8<-- [start:admission]`` and ``# --8<-- [end:admission]``. The C++ sources
+(engine/csrc) mark sections the same way behind ``//``; they have no qualified names.
 
 The edition manifest (``docs/edition.json``) records, for every excerpt a page
 shows, its file, name, lines and the sha256 of its text. ``deepinfer edition
@@ -30,9 +31,14 @@ MANIFEST = Path("docs/edition.json")
 
 # A directive line in a page. ``::`` introduces a qualified name, ``:`` a section.
 DIRECTIVE = re.compile(
-    r'^(?P<indent>[ \t]*)--8<-- "(?P<file>engine/[\w/]+\.py)(?P<sep>::?)(?P<name>[\w.]+)"[ \t]*$'
+    r'^(?P<indent>[ \t]*)--8<-- "(?P<file>engine/[\w/]+\.(?:py|cpp))(?P<sep>::?)(?P<name>[\w.]+)"[ \t]*$'
 )
-SECTION_MARK = re.compile(r"^\s*# --8<-- \[(?P<end>start|end):(?P<name>\w+)\]\s*$")
+SECTION_MARK = re.compile(r"^\s*(?:#|//) --8<-- \[(?P<end>start|end):(?P<name>\w+)\]\s*$")
+SOURCE_GLOBS = ("*.py", "*.cpp")  # the files a page may quote
+
+
+def engine_sources(root: Path) -> list[Path]:
+    return sorted(p for glob in SOURCE_GLOBS for p in (root / "engine").rglob(glob))
 
 
 class ExcerptError(LookupError):
@@ -97,6 +103,8 @@ def extract(root: Path, file: str, name: str, kind: str) -> Excerpt:
     source = path.read_text()
     lines = source.splitlines()
     if kind == "name":
+        if path.suffix != ".py":
+            raise ExcerptError(f"{file} is not Python: quote a [start:NAME] section of it")
         node = find_qualname(ast.parse(source, filename=file), name)
         if node is None:
             raise ExcerptError(f"{file} defines no {name!r}")
@@ -125,7 +133,7 @@ def parse_directive(line: str) -> tuple[str, str, str, str] | None:
 def defined_sections(root: Path) -> list[tuple[str, str]]:
     """Every (file, section) that the engine's source marks for the book."""
     found = []
-    for path in sorted((root / "engine").rglob("*.py")):
+    for path in engine_sources(root):
         for line in path.read_text().splitlines():
             m = SECTION_MARK.match(line)
             if m and m["end"] == "start":
@@ -181,6 +189,10 @@ def defined_names(root: Path) -> set[str]:
     for path in sorted((root / "engine").rglob("*.py")):
         names |= _names_in(ast.parse(path.read_text(), filename=str(path)))
         names.add(path.stem)  # a module may be named too: `block_manager`
+    for file, section in defined_sections(root):
+        if file.endswith(".cpp"):  # no parser for C++: whatever a shown section names
+            text = extract(root, file, section, "section").text
+            names |= set(re.findall(r"[A-Za-z_]\w*", text))
     return names
 
 
@@ -313,7 +325,7 @@ def _locate(root: Path, entry: dict) -> Excerpt | None:
     """Find the excerpt in its recorded file, else anywhere under engine/."""
     candidates = [entry["file"]] + [
         p.relative_to(root).as_posix()
-        for p in sorted((root / "engine").rglob("*.py"))
+        for p in engine_sources(root)
         if p.relative_to(root).as_posix() != entry["file"]
     ]
     for file in candidates:

@@ -1,0 +1,52 @@
+"""The engine's C++ operators for the CPU, built on first use.
+
+torch.utils.cpp_extension compiles engine/csrc/*.cpp with the machine's C++
+compiler and caches the library (under TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions), so only the first process on a machine waits for
+the build. The operators register themselves with torch as ``torch.ops.deepinfer.*``.
+
+``-march=native`` lets the compiler use the vector units of the CPU it runs
+on; set DEEPINFER_PORTABLE_BUILD=1 for a library that runs on any x86-64 or
+arm64 machine. Without a compiler, or when the build fails, ``load()`` says why
+once and returns False, and the engine keeps to its torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+
+
+def build_flags() -> list[str]:
+    portable = os.environ.get("DEEPINFER_PORTABLE_BUILD") == "1"
+    return ["-O3", "-fopenmp-simd", "-ffast-math", *([] if portable else ["-march=native"])]
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or find in the cache) and load the operators; True when they are usable."""
+    try:
+        from torch.utils import cpp_extension
+
+        portable = os.environ.get("DEEPINFER_PORTABLE_BUILD") == "1"
+        cpp_extension.load(
+            name="deepinfer_cpu_portable" if portable else "deepinfer_cpu",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=build_flags(),
+            is_python_module=False,
+        )
+    except Exception as e:  # no compiler, a failed build: the torch path still works
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        reason = next((ln for ln in lines if "error:" in ln), lines[0])[:300].strip()
+        warnings.warn(
+            f"DeepInfer: the C++ CPU operators could not be built ({reason}); "
+            'using the torch attention path (attention_backend="torch")',
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
