@@ -126,11 +126,14 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish every block that is now full of computed tokens."""
+    def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Publish every block that is now full of computed tokens: the first
+        ``num_computed`` of them, or all that ``seq`` counts as computed."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
+        full = num_computed // self.block_size
         for i in range(len(seq.block_hashes), full):
             chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = seq.block_hashes[-1] if seq.block_hashes else None

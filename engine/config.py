@@ -198,6 +198,11 @@ class EngineConfig:
     # None: 0.9 of free GPU memory, or 0.2 of available RAM on CPU (see ModelRunner)
     kv_cache_memory_fraction: float | None = None
     enforce_eager: bool = False  # True: no CUDA graphs
+    # Schedule step N+1 while step N's forward pass runs (async_loop.py); vLLM's name.
+    async_scheduling: bool = False
+    # Record when each stage of each step ran (trace.py): True keeps it in memory,
+    # a path also writes it there as a Chrome trace when generate returns.
+    trace: bool | str = False
     hf_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:

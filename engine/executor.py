@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from engine.async_model_runner import AsyncModelRunner, StepFuture
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheConfig
 from engine.model_runner import ModelRunner
@@ -29,6 +30,11 @@ class Executor(ABC):
         """Run one step on every rank. Rank 0 samples, so its output is the step's."""
         return self.collective_rpc("execute_model", scheduler_output)[0]
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Start one step and return before it is done (async scheduling): rank 0's
+        output, once the step has run, from the future's result()."""
+        return self.collective_rpc("execute_model_async", scheduler_output)[0]
+
     def kv_cache_config(self) -> KVCacheConfig:
         """The cache every rank can hold: the fewest blocks and the shortest length."""
         configs = self.collective_rpc("kv_cache_config")
@@ -43,7 +49,8 @@ class UniProcExecutor(Executor):
     """One model runner, in the engine's own process."""
 
     def __init__(self, config: EngineConfig, stats: EngineStats) -> None:
-        self.model_runner = ModelRunner(config, stats)
+        runner = AsyncModelRunner if config.async_scheduling else ModelRunner
+        self.model_runner = runner(config, stats)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.model_runner, method)(*args)]

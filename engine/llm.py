@@ -62,4 +62,6 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s out")
+        if engine.trace is not None:
+            engine.trace.save()  # where trace= said, if it named a file
         return [finished[seq.request_id] for seq in seqs]

@@ -13,6 +13,8 @@ import gc
 import time
 from pathlib import Path
 
+from engine.async_loop import AsyncLoop
+from engine.async_scheduler import AsyncScheduler
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.executor import UniProcExecutor
@@ -23,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.trace import StepTrace
 
 Prompt = str | list[int]
 
@@ -38,7 +41,8 @@ class LLMEngine:
         self.block_manager = BlockManager(
             cache.num_blocks, cache.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
+        scheduler = AsyncScheduler if config.async_scheduling else Scheduler
+        self.scheduler = scheduler(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.block_manager,
@@ -47,6 +51,14 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.async_loop = None
+        if config.async_scheduling:
+            self.async_loop = AsyncLoop(
+                self.scheduler, self.executor, self.output_processor, self.stats
+            )
+        self.trace = None
+        if config.trace:
+            self.trace = StepTrace(self, config.trace if isinstance(config.trace, str) else None)
         self._num_added = 0
         # What start-up built (torch, the model's modules, the block pool) lives as
         # long as the engine: take it out of the garbage collector's full scans,
@@ -106,7 +118,9 @@ class LLMEngine:
         self.add_sequence(self.make_sequence(request_id, prompt, params), prompt)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not yet finished, or a step still in flight (async scheduling)."""
+        in_flight = self.async_loop is not None and self.async_loop.in_flight is not None
+        return self.scheduler.has_unfinished() or in_flight
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], "abort")
@@ -115,6 +129,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, fold the new tokens into the requests,
         and turn them into outputs."""
+        if self.async_loop is not None:  # async scheduling: see async_loop.py
+            return self.async_loop.step()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:

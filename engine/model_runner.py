@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +32,18 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to turn into logits
     req_ids: list[str]  # the requests those rows belong to
+
+
+@dataclass
+class PreparedStep:
+    """A step's inputs, built on the host: all that the forward pass and the
+    sampler read, so that they can run on another thread or stream."""
+
+    batch: ModelInput
+    graph: bool  # replay a CUDA graph (decodes only), so no attention metadata
+    attn_metadata: Any  # what the backend's build_metadata built; None with a graph
+    sampling: SamplingMetadata
+    future_slots: torch.Tensor | None = None  # async scheduling: see async_model_runner.py
 
 
 @dataclass
@@ -138,35 +151,45 @@ class ModelRunner:
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> tuple[ModelInput, torch.Tensor]:
-        """One forward pass; logits only for the rows that will sample."""
-        batch = self.build_model_input(out)
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """The host's share of a step: the flattened batch, and the attention and
+        sampling metadata. Nothing here waits for the device."""
+        self._update_states(scheduler_output)
+        batch = self.build_model_input(scheduler_output)
         graph = self.graphs is not None and self.graphs.can_run(batch.meta)
         attn_metadata = None if graph else self.backend.build_metadata(batch.meta)
-        start = time.perf_counter()
-        if graph:  # decodes only, on the GPU: replay the captured kernels
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-        else:
-            with forward_context(batch.meta, attn_metadata, self.backend):
-                hidden = self.model(batch.input_ids, batch.positions)
-        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
-        self.stats.forward_seconds += time.perf_counter() - start
-        return batch, logits
-
-    @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: the forward pass, then a token for every request whose
-        new tokens reach its end. The tokens stay on the device."""
-        self._update_states(scheduler_output)
-        batch, logits = self.forward(scheduler_output)
         states = [self.requests[req_id] for req_id in batch.req_ids]
         rows = [SamplingRow(s.sampling_params, s.seed, s.num_sampled) for s in states]
         for state in states:
             state.num_sampled += 1
         vocab = self.config.hf_config.vocab_size
-        sampled = self.sampler(logits, SamplingMetadata.from_rows(rows, vocab, self.device))
-        return ModelRunnerOutput(batch.req_ids, sampled.sampled_token_ids, sampled.logprobs)
+        sampling = SamplingMetadata.from_rows(rows, vocab, self.device)
+        return PreparedStep(batch, graph, attn_metadata, sampling)
+
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """One forward pass; logits only for the rows that will sample."""
+        batch = step.batch
+        start = time.perf_counter()
+        if step.graph:  # decodes only, on the GPU: replay the captured kernels
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            with forward_context(batch.meta, step.attn_metadata, self.backend):
+                hidden = self.model(batch.input_ids, batch.positions)
+        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        self.stats.forward_seconds += time.perf_counter() - start
+        return logits
+
+    @torch.inference_mode()
+    def execute_prepared(self, step: PreparedStep) -> ModelRunnerOutput:
+        """The device's share of a step: the forward pass, then a token for every
+        request whose new tokens reach its end. The tokens stay on the device."""
+        sampled = self.sampler(self.forward(step), step.sampling)
+        return ModelRunnerOutput(step.batch.req_ids, sampled.sampled_token_ids, sampled.logprobs)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: prepare its inputs, then run it."""
+        return self.execute_prepared(self.prepare_inputs(scheduler_output))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Forget the requests that ended; keep what new ones need for sampling."""

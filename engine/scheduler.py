@@ -72,7 +72,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(self._num_new_tokens(seq), budget)
+            if n == 0:  # its last token is still being computed (async_scheduler.py)
+                i += 1
+                continue
             if not self._reserve(seq, n, out):
                 break  # seq was the newest left, and preempted itself
             out.scheduled.append(self._scheduled(seq, n))
@@ -94,6 +97,10 @@ class Scheduler:
             budget -= scheduled.num_new_tokens
         self._count(out)
         return out
+
+    def _num_new_tokens(self, seq: Sequence) -> int:
+        """The tokens of a running sequence whose keys and values are not in the cache."""
+        return seq.num_tokens - seq.num_computed_tokens
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
         """Start (or resume) a waiting sequence, reusing any cached prefix blocks."""
@@ -182,10 +189,12 @@ class Scheduler:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
+        return "length" if self._length_reached(seq) else None
+
+    def _length_reached(self, seq: Sequence) -> bool:
+        """Has the sequence as many tokens as it may have: its max_tokens, or the model's?"""
         too_long = self.max_model_len is not None and seq.num_tokens >= self.max_model_len
-        if seq.num_output_tokens >= p.max_tokens or too_long:
-            return "length"
-        return None
+        return seq.num_output_tokens >= seq.params.max_tokens or too_long
 
     def finish_requests(self, request_ids: Collection[str], reason: str) -> None:
         """End requests from outside the step: an abort, or a stop string the
@@ -215,4 +224,4 @@ class Scheduler:
             else:
                 self.stats.prefill_tokens += item.num_new_tokens
                 self.stats.partial_prefills += not item.samples
-        self.stats.steps += 1
+        self.stats.steps += bool(out.scheduled)  # a step is a forward pass

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
+# A token id that is not known yet: the token that a step still running will sample.
+# Only async scheduling writes it (async_scheduler.py); the model runner finds the
+# token on the device (future_tokens.py).
+PLACEHOLDER = -1
+
 
 @dataclass
 class NewRequestData:
@@ -28,7 +33,7 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the new tokens, whose keys and values this step computes
     num_computed_tokens: int  # tokens already in the cache: token_ids[0] sits at this position
-    block_table: list[int]  # logical -> physical block; the scheduler's own list, read this step
+    block_table: list[int]  # logical -> physical; the scheduler's own list (async: a copy)
     samples: bool  # does this step reach the request's last token, so that it samples after it?
 
     @property

@@ -17,6 +17,9 @@ class EngineStats:
     partial_prefills: int = 0  # prompt chunks that stopped short of the prompt's end
     generated_tokens: int = 0
     finished_requests: int = 0
+    # Async scheduling: tokens computed for requests that had already finished,
+    # because they were scheduled before the step that finished them returned.
+    discarded_tokens: int = 0
     forward_seconds: float = 0.0  # time in the model's forward pass and logits
     step_seconds: float = 0.0  # time inside LLMEngine.step, forward included
     # [MoE layer, expert] tokens routed, recomputes included (MTP modules' layers last);

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the block manager's hash reaches the router, which loads no torch
+    import torch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -13,6 +16,8 @@ def cdiv(a: int, b: int) -> int:
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of host data on ``device``. On a GPU the copy goes through pinned
     memory and does not wait: the host can go on preparing while it runs."""
+    import torch
+
     t = torch.tensor(data, dtype=dtype)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)

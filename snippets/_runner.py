@@ -8,6 +8,12 @@ Each defines main(), which prints what the book shows and returns the named
 values the prose quotes (a dict, or None). Its recorded stdout sits beside it
 as .out, and its results as .json. `make regen` is the only target that calls
 `regen`; the tests call `run` and compare.
+
+A demo may measure what no record can hold, such as the engine's step timeline,
+whose times differ on every run. Under `regen` alone the runner sets
+SNIPPETS_RECORD=1, and such a demo then saves its measurements for a plot
+(snippets/plots/data/); `check` runs it without, so nothing drifts but the
+plot, which make regen redraws from the data it saved.
 """
 
 from __future__ import annotations
@@ -88,14 +94,18 @@ def check_results(path: str, results: object) -> dict:
     return results
 
 
-def run(path: str, python: str = sys.executable) -> tuple[str, dict]:
-    """A snippet's stdout and its results; a failing snippet raises with its stderr."""
+def run(path: str, python: str = sys.executable, record: bool = False) -> tuple[str, dict]:
+    """A snippet's stdout and its results; a failing snippet raises with its stderr.
+    With ``record``, a demo also saves the measurements its plot draws."""
+    env = fixed_env()
+    if record:
+        env["SNIPPETS_RECORD"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         sink = Path(tmp) / "results.json"
         proc = subprocess.run(
             [python, "-c", BOOTSTRAP, path, str(sink)],
             cwd=ROOT,
-            env=fixed_env(),
+            env=env,
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
@@ -193,7 +203,7 @@ def main(argv: list[str]) -> int:
     verb, paths = argv[0], argv[1:] or discover()
     failed = 0
     for path in paths:
-        actual, results = run(path)
+        actual, results = run(path, record=verb == "regen")
         target = record_path(path)
         changed = results_diff(path, recorded_results(path), results)
         if verb == "regen":

@@ -39,6 +39,7 @@ READ_FIRST = {
     "preface": "",
     "ch01": "ch01-batching-and-the-kv-cache/",
     "ch02": "ch02-blocks-and-preemption/",
+    "ch03": "ch03-overlap/",
 }
 MIN_DIAGRAM_PX = 12.0  # the smallest diagram text a reader should have to read
 MIN_PLOT_PX = 10.5

@@ -216,3 +216,19 @@ def test_moe_mtp_module_matches_its_float64_reference() -> None:
     expected = ref.mtp_logits(hidden[:-1], ids[1:], tensors, cfg)
     err = (got.double() - expected).abs().max().item()
     assert err < 1e-3, f"max |logit difference| {err:.2e}"
+
+
+def test_both_folders_carry_the_training_scripts_chat_template() -> None:
+    """A rerun of train_tiny.py writes the same template; transformers renders it."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import load_script
+
+    template = load_script(MODELS / "train_tiny.py", "train_tiny").CHAT_TEMPLATE
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    for name in (TARGET, DRAFT):
+        config = json.loads((MODELS / name / "tokenizer_config.json").read_text())
+        assert config["chat_template"] == template, name
+        auto = AutoTokenizer.from_pretrained(MODELS / name, local_files_only=True)
+        text = auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert text == "Be brief.\n\nQ: Why?\nA:", name

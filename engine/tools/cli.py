@@ -1,7 +1,10 @@
 """The `deepinfer` command line.
 
     deepinfer generate --model PATH "prompt"      stream a completion
+    deepinfer serve PATH [--port 8000 ...]         an OpenAI-compatible HTTP server
+    deepinfer router --worker URL --worker URL     one address in front of several servers
     deepinfer bench --model PATH ...               throughput and latency table
+    deepinfer bench --serve --model PATH ...       the same workload, over HTTP and offline
     deepinfer edition check [PATH]                 does this checkout match the book?
 
 Each subcommand imports what it needs when it runs, so `edition check` works
@@ -11,6 +14,7 @@ without torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -43,10 +47,70 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.entrypoints.api_server import ServerConfig, run_server
+
+    engine = EngineConfig(
+        model=args.model,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+    config = ServerConfig(
+        engine,
+        served_model_names=args.served_model_name or [],
+        api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY") or None,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+    )
+    run_server(config, args.host, args.port, args.log_level)
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from engine.entrypoints.router import RouterConfig, run_router
+
+    config = RouterConfig(
+        workers=args.worker,
+        model=args.model,
+        policy=args.policy,
+        block_size=args.block_size,
+        prefix_blocks=args.prefix_blocks,
+        load_factor=args.load_factor,
+        health_interval=args.health_interval,
+        max_body_bytes=args.max_body_bytes,
+    )
+    run_router(config, args.host, args.port, args.log_level)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
+    low, _, high = args.input_len.partition(":")
+    if args.serve:
+        from engine.tools.serve_bench import run as run_served
+
+        concurrency = [int(c) for c in args.concurrency.split(",")]
+        print(
+            run_served(
+                args.model,
+                args.num_prompts,
+                (int(low), int(high or low)),
+                args.output_len,
+                concurrency,
+                seed=args.seed,
+                device=args.device,
+                threads=args.threads,
+            )
+        )
+        return 0
     from engine.tools.bench import run
 
-    low, _, high = args.input_len.partition(":")
     print(
         run(
             args.model,
@@ -78,6 +142,68 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
+    serve.add_argument("model", help="a Hugging Face checkpoint folder")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/ "
+        "(default: $DEEPINFER_API_KEY; none: open)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        action="append",
+        help="the name clients ask for (repeatable; default: the folder's name)",
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests without a first token beyond which new ones get 503",
+    )
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--num-kv-blocks", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+
+    router = sub.add_parser("router", help="route OpenAI requests to several servers")
+    router.add_argument("--worker", action="append", required=True, help="a server's URL")
+    router.add_argument(
+        "--model",
+        default=None,
+        help="the workers' checkpoint folder, for its tokenizer and "
+        "chat template (prefix-affinity routing hashes the prompt's tokens)",
+    )
+    router.add_argument("--policy", choices=["prefix", "round-robin"], default="prefix")
+    router.add_argument("--block-size", type=int, default=16, help="the workers' block size")
+    router.add_argument(
+        "--prefix-blocks",
+        type=int,
+        default=4,
+        help="how many leading blocks of the prompt choose its worker",
+    )
+    router.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        help="a worker takes at most this times the mean load in flight",
+    )
+    router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
+    router.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--log-level", default="info")
+    router.set_defaults(func=_router)
+
     bench = sub.add_parser("bench", help="output tokens/s, TTFT and inter-token latency")
     bench.add_argument("--model", required=True)
     bench.add_argument("--num-prompts", type=int, default=64)
@@ -87,6 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-hf",
         action="store_true",
         help="also run transformers' batched generate in the same run",
+    )
+    bench.add_argument(
+        "--serve",
+        action="store_true",
+        help="the same workload through `deepinfer serve` and LLM.generate, as ratios",
+    )
+    bench.add_argument(
+        "--concurrency", default="1,16,64", help="with --serve: clients at once, A,B,..."
+    )
+    bench.add_argument(
+        "--threads", type=int, default=1, help="with --serve: torch threads on each side"
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--device", default=None)

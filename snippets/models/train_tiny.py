@@ -66,6 +66,20 @@ TUNING = (
     "of distill_weight 0.5 and 0.8 (dev agreement 60.0% and 69.1%), and 0.8 was kept."
 )
 SAMPLE_PROMPTS = ["def schedule", "The KV cache", "import torch\n", "# Chapter"]
+# The chat template saved in tokenizer_config.json, so that `deepinfer serve` (and
+# transformers' apply_chat_template) can turn a conversation into one prompt. The models
+# never saw chats; this puts a conversation in the question-and-answer form of the text
+# they were trained on: a system message as a paragraph, then "Q: ..." and "A: ...".
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{ message['content'] + '\\n\\n' }}"
+    "{%- elif message['role'] == 'user' -%}{{ 'Q: ' + message['content'] + '\\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ 'A: ' + message['content'] + '\\n' }}"
+    "{%- else -%}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'A:' }}{%- endif -%}"
+)
 
 
 # ---------------------------------------------------------------- corpus
@@ -390,7 +404,8 @@ def samples(model: nn.Module, tok: Tokenizer, max_new_tokens: int = 48) -> dict[
 def save(model: nn.Module, tok: Tokenizer, path: Path) -> None:
     """Hugging Face folder: config.json, model.safetensors (float16), generation_config.json,
     tokenizer.json as `tokenizers` trained it, and a tokenizer_config.json that lets
-    transformers' AutoTokenizer load it offline as a PreTrainedTokenizerFast."""
+    transformers' AutoTokenizer load it offline as a PreTrainedTokenizerFast, with the
+    chat template."""
     from transformers import GenerationConfig
 
     eot = tok.token_to_id(EOT)
@@ -409,6 +424,7 @@ def save(model: nn.Module, tok: Tokenizer, path: Path) -> None:
         "pad_token": EOT,
         "model_max_length": model.config.max_position_embeddings,
         "clean_up_tokenization_spaces": False,  # keep " ," and " ." as they are in code
+        "chat_template": CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 

@@ -71,3 +71,29 @@ def test_the_sampler_never_waits_for_the_gpu() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.device.type == "cuda"
     assert out.sampled_token_ids[1::2].tolist() == logits[1::2].argmax(-1).tolist()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_async_scheduling_on_the_gpu_launches_without_waiting(qwen3) -> None:
+    """The forward, sampling and the copy of the tokens to pinned memory are
+    queued on the stream, with CUDA set to raise on any host synchronisation;
+    the tokens equal the synchronous engine's, graphs or not."""
+    path, _ = qwen3
+    prompts = random_prompts(11, seed=82)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    reference = LLM(path, dtype="float32").generate(prompts, params, use_tqdm=False)
+    for eager in (False, True):
+        llm = LLM(path, dtype="float32", async_scheduling=True, enforce_eager=eager)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    engine = llm.llm_engine
+    engine.add_request("x", prompts[0], params)
+    engine.step()  # the prompt's step is launched; its tokens are still on the way
+    scheduler_output = engine.scheduler.schedule()  # a decode, with a placeholder
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        future = engine.executor.execute_model_async(scheduler_output)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert future.result().sampled_token_ids.device.type == "cpu"

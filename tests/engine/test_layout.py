@@ -1,8 +1,11 @@
-"""The engine's import graph: tools sit outside the core, and kernels below it.
+"""The engine's import graph: tools and front ends sit outside the core, and
+kernels below it.
 
-The core (everything in engine/ but engine/tools/) must run without the
-command line, the benchmarks or the book's edition checker; the Triton kernels
-must not reach up into the engine that uses them.
+The core (everything in engine/ but engine/tools/ and engine/entrypoints/) must
+run without the command line, the benchmarks, the book's edition checker or the
+HTTP server; the server is an entrypoint the command line starts, and needs
+none of the tools; the Triton kernels must not reach up into the engine that
+uses them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,43 @@ def test_no_core_module_imports_the_tools() -> None:
         if name == "engine.tools" or name.startswith("engine.tools.")
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_no_core_module_imports_the_front_ends() -> None:
+    outside = (ENGINE / "tools", ENGINE / "entrypoints")
+    offenders = [
+        f"{p.relative_to(ROOT)} imports {name}"
+        for p in modules(ENGINE)
+        if not any(folder in p.parents for folder in outside)
+        for name in sorted(imports(p))
+        if name == "engine.entrypoints" or name.startswith("engine.entrypoints.")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_server_needs_no_tools_and_no_transformers() -> None:
+    """It renders chat templates itself (jinja2, sandboxed), as transformers does."""
+    offenders = [
+        f"{p.relative_to(ROOT)} imports {name}"
+        for p in modules(ENGINE / "entrypoints")
+        for name in sorted(imports(p))
+        if name.startswith(("engine.tools", "transformers"))
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_router_loads_no_torch() -> None:
+    """It hashes prompts with the prefix cache's hash, but runs no model."""
+    code = (
+        "import sys, engine.entrypoints.router; "
+        "print(sorted(m for m in sys.modules if m in ('torch', 'transformers')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_kernels_do_not_import_the_engine_above_them() -> None:

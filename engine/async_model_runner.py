@@ -1,0 +1,115 @@
+"""One-step-ahead scheduling, the model runner's half: build a step's inputs on
+the engine's thread, and leave its forward pass running while the engine goes on.
+
+execute_model_async prepares a step on the calling thread and launches the rest
+of it, the forward pass and sampling:
+
+- on a GPU, on the current CUDA stream. The kernels queue behind the step before,
+  the sampled ids are copied to pinned host memory without waiting, and an event
+  marks when they have arrived (AsyncCUDAOutput);
+- on a CPU, on a single worker thread. torch releases the GIL inside its ops, so
+  the engine's thread really does schedule while the forward runs.
+
+Either way the steps run one at a time, in the order they were launched. That is
+what lets a step read, on the device, the tokens the step before it sampled
+(future_tokens.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.future_tokens import FutureTokens
+from engine.model_runner import ModelRunner, PreparedStep
+from engine.outputs import LogprobsTensors, ModelRunnerOutput
+from engine.scheduler_output import PLACEHOLDER, SchedulerOutput
+from engine.stats import EngineStats
+
+
+class StepFuture(Protocol):
+    """A launched step: result() waits until its output is on the host."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class AsyncModelRunner(ModelRunner):
+    def __init__(self, config: EngineConfig, stats: EngineStats | None = None) -> None:
+        super().__init__(config, stats)
+        self.future = FutureTokens(config.max_num_seqs, self.device)
+        self.worker = None
+        if self.device.type == "cpu":  # with as many intra-op threads as this thread has
+            threads = torch.get_num_threads()
+            self.worker = ThreadPoolExecutor(1, "forward", torch.set_num_threads, (threads,))
+
+    # --8<-- [start:launch]
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Prepare the step here; leave its forward pass and sampling running."""
+        step = self.prepare_inputs(scheduler_output)
+        if self.worker is not None:  # CPU: the forward on the worker thread
+            return self.worker.submit(self.execute_prepared, step)
+        return AsyncCUDAOutput(self.execute_prepared(step))  # GPU: queued on the stream
+
+    # --8<-- [end:launch]
+
+    # --8<-- [start:future_refs]
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """The step's inputs, with each placeholder made a reference to a slot,
+        and the slot each sampled token will go to."""
+        out = scheduler_output
+        for req_id in out.preempted_req_ids + out.finished_req_ids:
+            self.future.release(req_id)
+        step = super().prepare_inputs(replace(out, scheduled=self._refer(out)))
+        slots = [self.future.slot(req_id) for req_id in step.batch.req_ids]
+        step.future_slots = self._tensor(slots, torch.int64)
+        return step
+
+    def _refer(self, out: SchedulerOutput) -> list:
+        """Each scheduled request, its placeholder replaced by its slot's reference."""
+        items = []
+        for item in out.scheduled:
+            if PLACEHOLDER in item.token_ids:  # the token its last step sampled
+                ref = self.future.reference(self.future.slots[item.req_id])
+                ids = [ref if t == PLACEHOLDER else t for t in item.token_ids]
+                item = replace(item, token_ids=ids)
+            items.append(item)
+        return items
+
+    @torch.inference_mode()
+    def execute_prepared(self, step: PreparedStep) -> ModelRunnerOutput:
+        """Resolve the references before the embedding; store the new tokens after
+        sampling. The step before has stored its tokens by then: steps run in order."""
+        step.batch.input_ids = self.future.resolve(step.batch.input_ids)
+        output = super().execute_prepared(step)
+        self.future.store(step.future_slots, output.sampled_token_ids)
+        return output
+
+    # --8<-- [end:future_refs]
+
+
+class AsyncCUDAOutput:
+    """A step's output on its way to the host. The copies queue on the stream
+    behind the step's kernels, into pinned memory, so queueing them does not
+    wait; an event marks when they have landed, and result() waits for it alone."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.req_ids = output.req_ids
+        self.tokens = pinned_copy(output.sampled_token_ids)
+        lp = output.logprobs
+        self.logprobs = lp and LogprobsTensors(pinned_copy(lp.token_ids), pinned_copy(lp.logprobs))
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def result(self) -> ModelRunnerOutput:
+        self.ready.synchronize()
+        return ModelRunnerOutput(self.req_ids, self.tokens, self.logprobs)
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, queued on the current stream."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

@@ -1,0 +1,165 @@
+"""`deepinfer serve MODEL`: an OpenAI-compatible HTTP server over one engine.
+
+    POST /v1/completions, /v1/chat/completions   (stream: true for server-sent events)
+    GET  /v1/models, /health, /metrics
+
+Every error is OpenAI's error object: a bad request is a 400 that says what is
+wrong, an engine failure a 500 with the request's id, and the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from engine.config import EngineConfig
+from engine.entrypoints.async_llm import AsyncLLM
+from engine.entrypoints.chat_template import load_chat_template
+from engine.entrypoints.errors import OpenAIError
+from engine.entrypoints.metrics import ServerMetrics
+from engine.entrypoints.middleware import ApiKey, BodyLimit, RequestId
+from engine.entrypoints.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from engine.entrypoints.serving import OpenAIServing
+
+logger = logging.getLogger("deepinfer.server")
+
+
+@dataclass
+class ServerConfig:
+    engine: EngineConfig
+    served_model_names: list[str] = field(default_factory=list)  # default: the folder's name
+    api_key: str | None = None
+    max_waiting: int = 1024  # requests without a first token; more are refused with 503
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 500, 503)}
+
+
+def build_app(config: ServerConfig) -> FastAPI:
+    """The app, with its engine loaded; the core thread starts with the app."""
+    names = config.served_model_names or [Path(config.engine.model).name]
+    metrics = ServerMetrics(names[0])
+    llm = AsyncLLM(config.engine, metrics, config.max_waiting)
+    serving = OpenAIServing(llm, names, load_chat_template(Path(config.engine.model)))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        llm.start()
+        yield
+        llm.stop()
+
+    app = FastAPI(title="DeepInfer", lifespan=lifespan, responses=ERRORS)
+    app.state.llm = llm
+    add_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(ApiKey, api_key=config.api_key)
+    app.add_middleware(RequestId)  # added last: runs first
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request):
+        return await until_disconnect(request, serving.completions(body, request_id(request)))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await until_disconnect(request, serving.chat(body, request_id(request)))
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=n, max_model_len=llm.max_model_len) for n in names])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.healthy:
+            raise OpenAIError(503, f"the engine is not running: {llm.core.dead}")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]
+
+
+async def until_disconnect(request: Request, handler):
+    """Run a handler, cancelling it if the client disconnects first: the engine
+    requests it started are then aborted. A stream watches for itself."""
+    task = asyncio.ensure_future(handler)
+    gone = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        return Response(status_code=499)  # nobody is listening
+    gone.cancel()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, err: OpenAIError) -> Response:
+        if err.status >= 500:
+            err.request_id = request_id(request)
+            logger.error("request %s: %s", err.request_id, err.message)
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> Response:
+        return invalid_request(err.errors()).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> Response:
+        return OpenAIError(err.status_code, str(err.detail), headers=err.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception) -> Response:
+        rid = request_id(request)
+        logger.exception("request %s failed", rid)
+        message = f"internal server error (request id {rid})"
+        return OpenAIError(500, message, request_id=rid).response()
+
+
+def invalid_request(problems: list[dict]) -> OpenAIError:
+    """One 400 for pydantic's errors: the first problem of each field, by name."""
+    if any(p.get("type") == "json_invalid" for p in problems):
+        return OpenAIError(400, "the body is not valid JSON")
+    first: dict[str, str] = {}
+    for p in problems:
+        loc = [str(x) for x in p.get("loc", ())[1:]]  # drop "body"
+        field = loc[0] if loc else "body"
+        first.setdefault(field, f"{'.'.join(loc) or field}: {p.get('msg')}")
+    fields = list(first)
+    return OpenAIError(400, "; ".join(first.values()), param=fields[0] if fields else None)
+
+
+def run_server(config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app = build_app(config)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,180 @@
+"""The front end's side of the engine, in the asyncio loop: requests go to the
+core thread as checked Sequences, and each step's core outputs come back and
+become RequestOutputs here, through the engine's own OutputProcessor.
+
+Nothing here waits for a model step. A request's outputs are put on the
+asyncio queue its HTTP handler reads; a handler that goes away aborts its
+requests, and the core frees their blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.entrypoints.engine_core import CoreBatch, EngineCore
+from engine.entrypoints.errors import OpenAIError
+from engine.entrypoints.metrics import ServerMetrics
+from engine.output_processor import OutputProcessor
+from engine.outputs import EngineCoreOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer.server")
+
+
+@dataclass
+class EngineFailure:
+    """Put on a request's queue in place of an output when the engine failed it."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class Timing:
+    """One request's clock, for the latency histograms."""
+
+    arrival: float
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_waiting: int) -> None:
+        self.core = EngineCore(config)
+        self.tokenizer = self.core.engine.tokenizer
+        self.max_model_len = self.core.engine.max_model_len
+        self.processor = OutputProcessor(self.tokenizer)
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.sinks: dict[str, asyncio.Queue] = {}  # request id -> its handler's queue
+        self.timing: dict[str, Timing] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Accepted requests that have no token yet: queued, or in prefill."""
+        return sum(1 for t in self.timing.values() if t.last_token is None)
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.core.start(lambda batch: self.loop.call_soon_threadsafe(self._on_batch, batch))
+
+    def stop(self) -> None:
+        self.core.stop()
+
+    @property
+    def healthy(self) -> bool:
+        thread = self.core.thread
+        return thread is not None and thread.is_alive() and self.core.dead is None
+
+    def generate(
+        self, requests: dict[str, tuple[list[int], SamplingParams]]
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue several requests (the choices of one HTTP request), all checked
+        before any is queued, so that a refusal comes before any response starts;
+        then iterate to get their outputs as they come."""
+        if not self.healthy:
+            raise OpenAIError(503, f"the engine is not running: {self.core.dead}")
+        if self.num_waiting + len(requests) > self.max_waiting:
+            self.metrics.rejected.inc()
+            raise OpenAIError(
+                503,
+                f"too many requests waiting (at most {self.max_waiting}); retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        try:
+            seqs = [self.core.make_sequence(rid, ids, p) for rid, (ids, p) in requests.items()]
+        except ValueError as err:
+            raise OpenAIError(400, str(err), param="prompt") from err
+        sink: asyncio.Queue = asyncio.Queue()
+        now = time.perf_counter()
+        for seq in seqs:
+            self.processor.add_request(seq.request_id, None, seq.prompt_token_ids, seq.params)
+            self.sinks[seq.request_id] = sink
+            self.timing[seq.request_id] = Timing(now)
+        self.core.add(seqs)
+        return self._outputs(sink, set(requests))
+
+    async def _outputs(
+        self, sink: asyncio.Queue, pending: set[str]
+    ) -> AsyncIterator[RequestOutput]:
+        """Whatever is unfinished when the caller stops listening is aborted."""
+        try:
+            while pending:
+                item = await sink.get()
+                if isinstance(item, EngineFailure):
+                    raise OpenAIError(500, f"the engine failed: {item.message}")
+                if item.finished:
+                    pending.discard(item.request_id)
+                yield item
+        finally:
+            if pending:  # the client went away, or another choice failed
+                self.abort(list(pending))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests whose client went away; finished ones are left alone."""
+        unfinished = [rid for rid in request_ids if self.sinks.pop(rid, None) is not None]
+        for request_id in unfinished:
+            self.processor.abort_request(request_id)
+            del self.timing[request_id]
+            self.metrics.aborted.inc()
+        if unfinished:
+            self.core.abort(unfinished)
+
+    def _on_batch(self, batch: CoreBatch) -> None:
+        """One step's outputs, in the loop's thread: text, stop strings, metrics."""
+        self.metrics.core_stats(batch.stats)
+        try:
+            self._deliver(batch.outputs)
+        except Exception as err:  # a bug on this side fails the step's requests, not the server
+            failed = [o.request_id for o in batch.outputs if o.request_id in self.sinks]
+            logger.exception("processing the outputs of %s failed", ", ".join(failed))
+            self.core.abort(failed)
+            self._fail(dict.fromkeys(failed, f"{type(err).__name__}: {err}"))
+        self._fail(batch.failed)
+        if self.core.dead:  # nothing more will come: fail whoever still waits
+            for request_id in list(self.sinks):
+                self.sinks.pop(request_id).put_nowait(EngineFailure(request_id, self.core.dead))
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        now = time.perf_counter()
+        known = [o for o in outputs if o.request_id in self.sinks]  # not aborted
+        processed = self.processor.process_outputs(known)
+        if processed.reqs_to_abort:  # a stop string ended them here; stop the core too
+            self.core.abort(processed.reqs_to_abort)
+        for out in processed.request_outputs:
+            self._observe(out, now)
+            sink = self.sinks[out.request_id]
+            if out.finished:
+                del self.sinks[out.request_id]
+            sink.put_nowait(out)
+
+    def _fail(self, failed: dict[str, str]) -> None:
+        """Requests that will get no more outputs: their handlers answer with a 500."""
+        for request_id, message in failed.items():
+            if (sink := self.sinks.pop(request_id, None)) is not None:
+                self.processor.abort_request(request_id)
+                self.timing.pop(request_id, None)
+                self.metrics.failed.inc()
+                sink.put_nowait(EngineFailure(request_id, message))
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        m, t = self.metrics, self.timing[out.request_id]
+        new = len(out.token_ids) - t.num_tokens
+        if t.last_token is None:
+            m.ttft.observe(now - t.arrival)
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            m.prefix_lookup(len(out.prompt_token_ids), out.num_cached_tokens)
+        else:
+            m.itl.observe(now - t.last_token)
+        m.generation_tokens.inc(new)
+        t.last_token, t.num_tokens = now, len(out.token_ids)
+        if out.finished:
+            m.e2e.observe(now - t.arrival)
+            m.finished(out.finish_reason)
+            del self.timing[out.request_id]

@@ -1,0 +1,169 @@
+"""The engine core in a thread of its own: it takes requests and aborts from a
+queue, steps the engine while any request is unfinished, and hands every step's
+EngineCoreOutputs to the front end, which turns them into text.
+
+LLMEngine.step ends by handing the step's outputs to its output processor. Here
+that processor is an outbox: the outputs cross to the front end's thread as
+the plain data they are, and the front end runs the real OutputProcessor. The
+step itself is the engine's own, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.output_processor import ProcessedOutputs
+from engine.outputs import EngineCoreOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+logger = logging.getLogger("deepinfer.server")
+
+
+class Outbox:
+    """Stands where LLMEngine's output processor stands: keeps the step's core
+    outputs for the front end instead of turning them into text here."""
+
+    def __init__(self) -> None:
+        self.outputs: list[EngineCoreOutput] = []
+
+    def add_request(self, *args: object) -> None:  # the front end follows the request
+        pass
+
+    def abort_request(self, request_id: str) -> None:
+        pass
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        self.outputs += outputs
+        return ProcessedOutputs([], [])  # stop strings come back later, as aborts
+
+    def take(self) -> list[EngineCoreOutput]:
+        outputs, self.outputs = self.outputs, []
+        return outputs
+
+
+@dataclass
+class CoreStats:
+    """The core's state after a step, for the front end's gauges."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # share of the cache's blocks that requests hold
+    num_preemptions: int  # since start
+
+
+@dataclass
+class CoreBatch:
+    """What one step sends to the front end."""
+
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> error
+
+
+_STOP = object()
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)  # loads the model: in the caller's thread
+        self.outbox = Outbox()
+        self.engine.output_processor = self.outbox
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.dead: str | None = None  # why the core stopped, if it failed for good
+
+    def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams):
+        """Check a request (ValueError if bad) without touching the core's state;
+        safe to call from the front end's thread."""
+        return self.engine.make_sequence(request_id, token_ids, params)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        self.inbox.put(("add", seqs))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.inbox.put(("abort", request_ids))
+
+    def start(self, deliver: Callable[[CoreBatch], None]) -> None:
+        self.thread = threading.Thread(
+            target=self._run, args=(deliver,), name="engine-core", daemon=True
+        )
+        self.thread.start()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.inbox.put(_STOP)
+            self.thread.join(timeout=30)
+
+    def _run(self, deliver: Callable[[CoreBatch], None]) -> None:
+        try:
+            self._loop(deliver)
+        except Exception as err:  # outside a step: nothing to recover, but nobody waits forever
+            self.dead = f"{type(err).__name__}: {err}"
+            logger.exception("the engine core stopped")
+            deliver(CoreBatch([], self._stats()))  # the front end fails whoever waits
+
+    def _loop(self, deliver: Callable[[CoreBatch], None]) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests()
+            try:  # idle: sleep until a request comes; busy: take what has come
+                command = self.inbox.get(block=not busy)
+            except queue.Empty:
+                command = None
+            applied = command is not None
+            while command is not None:
+                if command is _STOP:
+                    return
+                self._apply(command)
+                command = self.inbox.get_nowait() if not self.inbox.empty() else None
+            if engine.has_unfinished_requests():
+                failed = self._step()
+                deliver(CoreBatch(self.outbox.take(), self._stats(), failed))
+                if self.dead:
+                    return
+            elif applied:  # aborts left the engine idle: say so, blocks freed
+                deliver(CoreBatch([], self._stats()))
+
+    def _apply(self, command: tuple[str, list]) -> None:
+        kind, items = command
+        for item in items:
+            if kind == "add":
+                self.engine.add_sequence(item)
+            else:
+                self.engine.abort_request(item)  # a finished id is ignored
+
+    def _step(self) -> dict[str, str]:
+        """One engine step. If it fails, every request in the engine fails with it
+        (there is no telling which one caused it), its blocks are freed, and the
+        core goes on serving new requests."""
+        try:
+            self.engine.step()
+            return {}
+        except Exception as err:
+            failed = {rid: f"{type(err).__name__}: {err}" for rid in self.engine.requests}
+            logger.exception("engine step failed; failing requests %s", ", ".join(failed))
+            self.outbox.take()
+            try:
+                for request_id in failed:
+                    self.engine.abort_request(request_id)
+            except Exception:
+                self.dead = f"could not recover from {type(err).__name__}: {err}"
+                logger.exception("the engine core cannot recover")
+            return failed
+
+    def _stats(self) -> CoreStats:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        total = len(blocks.blocks)
+        return CoreStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=(total - blocks.num_free_blocks) / total,
+            num_preemptions=self.engine.stats.preemptions,
+        )

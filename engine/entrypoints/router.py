@@ -1,0 +1,252 @@
+"""`deepinfer router --worker URL --worker URL ...`: one OpenAI endpoint in front
+of several `deepinfer serve` workers.
+
+Each generating request goes to the worker its policy picks (prefix affinity,
+or round-robin), streamed through as the worker sends it. A worker that cannot
+be reached before it has sent a byte is marked down and the request goes to
+the next candidate; health checks bring workers back. The router loads no
+torch: to hash a prompt it needs only the tokenizer and the chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.entrypoints.chat_template import ChatTemplate, load_chat_template
+from engine.entrypoints.errors import OpenAIError
+from engine.entrypoints.middleware import BodyLimit
+from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
+
+logger = logging.getLogger("deepinfer.router")
+# Headers that belong to one hop, not to the request or response forwarded.
+HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+@dataclass
+class RouterConfig:
+    workers: list[str]
+    model: str | None = None  # the workers' folder: tokenizer and chat template
+    policy: str = "prefix"  # or "round-robin"
+    block_size: int = 16  # the workers' block size
+    prefix_blocks: int = 4
+    load_factor: float = 1.25
+    health_interval: float = 2.0
+    max_body_bytes: int = 4 * 1024 * 1024  # as the workers': the router reads a body whole
+
+
+class RouterMetrics:
+    def __init__(self, workers: list[Worker]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "deepinfer_router:requests", "Requests sent, by worker.", ["worker"], registry=r
+        )
+        self.retries = Counter(
+            "deepinfer_router:retries",
+            "Attempts whose worker could not be reached; the request went on to the next.",
+            registry=r,
+        )
+        self.unroutable = Counter(
+            "deepinfer_router:unroutable", "Requests no worker could take.", registry=r
+        )
+        self.up = Gauge(
+            "deepinfer_router:worker_up", "1 if the worker is healthy.", ["worker"], registry=r
+        )
+        self.in_flight = Gauge(
+            "deepinfer_router:in_flight", "Requests in flight, by worker.", ["worker"], registry=r
+        )
+        for w in workers:
+            self.up.labels(w.url).set(1)
+            self.in_flight.labels(w.url).set(0)
+
+
+class Tokens:
+    """A request's prompt as token ids, computed as the worker will compute it."""
+
+    def __init__(self, model: str | None) -> None:
+        self.tokenizer = self.template = None
+        if model is not None:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+            self.template: ChatTemplate | None = load_chat_template(Path(model))
+
+    def of(self, path: str, body: dict) -> list[int] | None:
+        """None when the body is not one we can read: the worker will say why."""
+        try:
+            if path.endswith("/chat/completions"):
+                messages = [
+                    {
+                        "role": "system" if m["role"] == "developer" else m["role"],
+                        "content": _text(m["content"]),
+                    }
+                    for m in body["messages"]
+                ]
+                prompt = self.template.render(messages, body.get("add_generation_prompt", True))
+            else:
+                prompt = body["prompt"]
+                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                    prompt = prompt[0]  # a batch: its first prompt chooses
+            if isinstance(prompt, list):
+                return [int(t) for t in prompt]
+            return self.tokenizer.encode(prompt).ids
+        except Exception:
+            return None
+
+
+def _text(content: str | list) -> str:
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.workers = [Worker(url.rstrip("/")) for url in config.workers]
+        if config.policy == "prefix":
+            if config.model is None:
+                raise ValueError("prefix-affinity routing needs --model, for the tokenizer")
+            self.policy = PrefixAffinity(self.workers, config.load_factor)
+        else:
+            self.policy = RoundRobin(self.workers)
+        self.tokens = Tokens(config.model if config.policy == "prefix" else None)
+        self.metrics = RouterMetrics(self.workers)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0))
+
+    def candidates(self, path: str, body: bytes) -> list[Worker]:
+        key = None
+        if isinstance(self.policy, PrefixAffinity):
+            try:
+                ids = self.tokens.of(path, json.loads(body))
+            except ValueError:
+                ids = None
+            if ids is not None:
+                key = prefix_key(ids, self.config.block_size, self.config.prefix_blocks)
+        return self.policy.candidates(key)
+
+    async def forward(self, request: Request) -> Response:
+        """Send the request to the first candidate that answers; stream its reply."""
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        for worker in self.candidates(request.url.path, body):
+            upstream = self.client.build_request(
+                request.method, worker.url + request.url.path, headers=headers, content=body
+            )
+            try:
+                reply = await self.client.send(upstream, stream=True)
+            except httpx.TransportError as err:  # down before its first byte: next one
+                logger.warning("worker %s unreachable (%s); trying another", worker.url, err)
+                self.mark(worker, healthy=False)
+                self.metrics.retries.inc()
+                continue
+            return self._relay(worker, reply)
+        self.metrics.unroutable.inc()
+        raise OpenAIError(503, "no worker is available", headers={"Retry-After": "1"})
+
+    def _relay(self, worker: Worker, reply: httpx.Response) -> Response:
+        worker.in_flight += 1
+        self.metrics.requests.labels(worker.url).inc()
+        self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+
+        async def done() -> None:
+            await reply.aclose()  # a client that left closes the worker's stream too
+            worker.in_flight -= 1
+            self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+
+        async def body():
+            try:
+                async for chunk in reply.aiter_raw():
+                    yield chunk
+            finally:
+                await done()
+
+        headers = {k: v for k, v in reply.headers.items() if k.lower() not in HOP_HEADERS}
+        headers["x-deepinfer-worker"] = worker.url
+        return StreamingResponse(body(), status_code=reply.status_code, headers=headers)
+
+    def mark(self, worker: Worker, healthy: bool) -> None:
+        if worker.healthy != healthy:
+            logger.info("worker %s is %s", worker.url, "up" if healthy else "down")
+        worker.healthy = healthy
+        self.metrics.up.labels(worker.url).set(int(healthy))
+
+    async def check_health(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(w) for w in self.workers))
+            await asyncio.sleep(self.config.health_interval)
+
+    async def _probe(self, worker: Worker) -> None:
+        try:
+            reply = await self.client.get(worker.url + "/health", timeout=2.0)
+            self.mark(worker, reply.status_code == 200)
+        except httpx.HTTPError:
+            self.mark(worker, False)
+
+
+def build_router(config: RouterConfig) -> FastAPI:
+    router = Router(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        checker = asyncio.create_task(router.check_health())
+        yield
+        checker.cancel()
+        await router.client.aclose()
+
+    app = FastAPI(title="DeepInfer router", lifespan=lifespan)
+    app.state.router = router
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, err: OpenAIError) -> Response:
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception) -> Response:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return OpenAIError(500, f"the router failed: {type(err).__name__}").response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.forward(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.forward(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not any(w.healthy for w in router.workers):
+            raise OpenAIError(503, "no worker is healthy")
+        return JSONResponse({"status": "ok", "workers": {w.url: w.healthy for w in router.workers}})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_router(config: RouterConfig, host: str, port: int, log_level: str = "info") -> None:
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(build_router(config), host=host, port=port, log_level=log_level)

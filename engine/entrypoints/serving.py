@@ -1,0 +1,367 @@
+"""The two generating endpoints: a request's prompts and choices become engine
+requests, and their outputs become OpenAI's responses, whole or as a stream of
+server-sent events ending in `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+
+from engine.entrypoints.async_llm import AsyncLLM
+from engine.entrypoints.chat_template import ChatTemplate
+from engine.entrypoints.errors import OpenAIError, bad_request
+from engine.entrypoints.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    SamplingFields,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Choice:
+    """One choice as it streams: how much of its output the client has seen."""
+
+    index: int
+    prompt_index: int
+    text_sent: int = 0
+    tokens_sent: int = 0
+    last: RequestOutput | None = None
+
+
+@dataclass
+class Job:
+    """One HTTP request's engine requests, by engine request id."""
+
+    id: str  # the response's: cmpl-... or chatcmpl-...
+    request_id: str  # the HTTP request's, as in X-Request-Id and the log
+    prompts: list[list[int]]
+    requests: dict[str, tuple[list[int], SamplingParams]] = field(default_factory=dict)
+    choices: dict[str, Choice] = field(default_factory=dict)
+
+    def usage(self) -> Usage:
+        first = {c.prompt_index: c.last for c in reversed(self.choices.values())}
+        prompt = sum(map(len, self.prompts))
+        completion = sum(len(c.last.token_ids) for c in self.choices.values() if c.last)
+        cached = sum(o.num_cached_tokens for o in first.values() if o is not None)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+_random = random.SystemRandom()
+logger = logging.getLogger("deepinfer.server")
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def sse(chunk: BaseModel | dict) -> str:
+    """One server-sent event."""
+    if isinstance(chunk, BaseModel):
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(
+        self, llm: AsyncLLM, model_names: list[str], chat_template: ChatTemplate | None
+    ) -> None:
+        self.llm = llm
+        self.model_names = model_names
+        self.chat_template = chat_template
+        self.tokenizer = llm.tokenizer
+
+    # ------------------------------------------------------------ requests in
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise OpenAIError(
+                400,
+                f"the model {name!r} does not exist; this server serves "
+                + ", ".join(repr(n) for n in self.model_names),
+                param="model",
+                code="model_not_found",
+            )
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer; send token ids", "prompt")
+        return self.tokenizer.encode(prompt).ids
+
+    def job(
+        self,
+        kind: str,
+        request_id: str,
+        prompts: list[list[int]],
+        req: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> Job:
+        """An engine request per prompt and choice; bad settings are a 400."""
+        job = Job(f"{kind}-{request_id}", request_id, prompts)
+        limit = self.llm.max_model_len
+        # Choice i draws with seed + i. Without a seed, a random one: the engine's
+        # default would give every choice the same draws.
+        seed = req.seed if req.seed is not None else _random.getrandbits(62)
+        for p, ids in enumerate(prompts):
+            if len(ids) >= limit:
+                raise bad_request(
+                    f"the prompt has {len(ids)} tokens, but this model's maximum context "
+                    f"length is {limit} tokens, which leaves no room to generate",
+                    "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                )
+            if max_tokens is not None and len(ids) + max_tokens > limit:
+                raise bad_request(
+                    f"this model's maximum context length is {limit} tokens, but "
+                    f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, "
+                    f"{max_tokens} for the completion)",
+                    "max_tokens",
+                )
+            for i in range(req.n):
+                index = p * req.n + i
+                try:
+                    params = SamplingParams(
+                        temperature=req.temperature,
+                        top_p=req.top_p,
+                        top_k=req.top_k,
+                        min_p=req.min_p,
+                        max_tokens=max_tokens or limit - len(ids),
+                        stop=req.stop_strings(),
+                        ignore_eos=req.ignore_eos,
+                        seed=seed + i,
+                        logprobs=logprobs,
+                    )
+                except ValueError as err:
+                    raise bad_request(str(err)) from err
+                engine_id = f"{job.id}-{index}"
+                job.requests[engine_id] = (ids, params)
+                job.choices[engine_id] = Choice(index, p)
+        return job
+
+    def start(self, job: Job) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Queue the job's requests now (a refusal is an error response, not a
+        broken stream), and follow each output back to its choice."""
+        return self._follow(job, self.llm.generate(job.requests))
+
+    @staticmethod
+    async def _follow(job: Job, outputs: AsyncIterator[RequestOutput]):
+        async for out in outputs:
+            choice = job.choices[out.request_id]
+            choice.last = out
+            yield choice, out
+
+    def stream(self, job: Job, chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+        return StreamingResponse(self._events(job, chunks), media_type="text/event-stream")
+
+    async def _events(self, job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        try:
+            async for event in chunks:
+                yield sse(event)
+        except OpenAIError as err:  # the status is sent already: say it in the stream
+            err.request_id = job.request_id
+            logger.error("request %s: %s", job.request_id, err.message)
+            yield sse(err.body())
+        except Exception:  # a bug of ours: the same, with its traceback in the log
+            logger.exception("request %s failed", job.request_id)
+            message = f"internal server error (request id {job.request_id})"
+            yield sse(OpenAIError(500, message, request_id=job.request_id).body())
+        finally:  # the client may have gone: stop what it no longer reads
+            self.llm.abort(list(job.requests))
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------ logprobs
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
+
+    def _top(self, entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+        return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+    def completion_logprobs(
+        self, out: RequestOutput, start: int, n: int, offset: int
+    ) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for token_id, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+            text = self._token(token_id)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(entry[token_id])
+            lp.top_logprobs.append({self._token(t): v for t, v in self._top(entry, n)})
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp
+
+    def chat_logprobs(self, out: RequestOutput, start: int, n: int) -> ChoiceLogprobs:
+        content = []
+        for token_id, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+            text = self._token(token_id)
+            top = [
+                TopLogprob(token=(t := self._token(i)), logprob=v, bytes=list(t.encode()))
+                for i, v in self._top(entry, n)
+            ]
+            content.append(
+                TokenLogprob(
+                    token=text, logprob=entry[token_id], bytes=list(text.encode()), top_logprobs=top
+                )
+            )
+        return ChoiceLogprobs(content=content)
+
+    # ------------------------------------------------------------ completions
+
+    async def completions(self, req: CompletionRequest, request_id: str):
+        self.check_model(req.model)
+        if req.echo:
+            raise bad_request("echo is not supported", "echo")
+        prompt = req.prompt
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+        prompts = [self.tokenize(p) for p in batch]
+        job = self.job("cmpl", request_id, prompts, req, req.max_tokens, req.logprobs)
+        outputs = self.start(job)
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return self.stream(job, self._completion_chunks(job, req, outputs, usage))
+        return await self._completion(job, req, outputs)
+
+    async def _completion_chunks(
+        self, job: Job, req: CompletionRequest, outputs: AsyncIterator, usage: bool
+    ):
+        async for choice, out in outputs:
+            if len(out.text) == choice.text_sent and not out.finished:
+                continue  # nothing new to show yet
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self.completion_logprobs(
+                    out, choice.tokens_sent, req.logprobs, choice.text_sent
+                )
+            text = out.text[choice.text_sent :]
+            choice.text_sent, choice.tokens_sent = len(out.text), len(out.token_ids)
+            item = CompletionChoice(
+                index=choice.index, text=text, logprobs=logprobs, finish_reason=finish_reason(out)
+            )
+            yield CompletionResponse(id=job.id, model=req.model, choices=[item])
+        if usage:
+            yield CompletionResponse(id=job.id, model=req.model, choices=[], usage=job.usage())
+
+    async def _completion(
+        self, job: Job, req: CompletionRequest, outputs: AsyncIterator
+    ) -> CompletionResponse:
+        async for _ in outputs:
+            pass
+        choices = []
+        for choice in sorted(job.choices.values(), key=lambda c: c.index):
+            out = choice.last
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self.completion_logprobs(out, 0, req.logprobs, 0)
+            choices.append(
+                CompletionChoice(
+                    index=choice.index,
+                    text=out.text,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(out),
+                )
+            )
+        return CompletionResponse(id=job.id, model=req.model, choices=choices, usage=job.usage())
+
+    # ------------------------------------------------------------ chat
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str):
+        self.check_model(req.model)
+        if self.chat_template is None:
+            raise bad_request("this model has no chat template; use /v1/completions")
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in req.messages
+        ]
+        try:
+            text = self.chat_template.render(messages, req.add_generation_prompt)
+        except TemplateError as err:
+            raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        job = self.job("chatcmpl", request_id, [self.tokenize(text)], req, max_tokens, logprobs)
+        outputs = self.start(job)
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return self.stream(job, self._chat_chunks(job, req, outputs, usage))
+        return await self._chat(job, req, outputs)
+
+    def _chunk(self, job: Job, req: ChatCompletionRequest, **kw) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=job.id, model=req.model, **kw)
+
+    async def _chat_chunks(
+        self, job: Job, req: ChatCompletionRequest, outputs: AsyncIterator, usage: bool
+    ):
+        for choice in sorted(job.choices.values(), key=lambda c: c.index):
+            delta = DeltaMessage(role="assistant", content="")
+            yield self._chunk(job, req, choices=[ChatChunkChoice(index=choice.index, delta=delta)])
+        async for choice, out in outputs:
+            if len(out.text) == choice.text_sent and not out.finished:
+                continue
+            logprobs = None
+            if req.logprobs:
+                logprobs = self.chat_logprobs(out, choice.tokens_sent, req.top_logprobs or 0)
+            text = out.text[choice.text_sent :]
+            choice.text_sent, choice.tokens_sent = len(out.text), len(out.token_ids)
+            item = ChatChunkChoice(
+                index=choice.index,
+                delta=DeltaMessage(content=text or None),
+                logprobs=logprobs,
+                finish_reason=finish_reason(out),
+            )
+            yield self._chunk(job, req, choices=[item])
+        if usage:
+            yield self._chunk(job, req, choices=[], usage=job.usage())
+
+    async def _chat(
+        self, job: Job, req: ChatCompletionRequest, outputs: AsyncIterator
+    ) -> ChatCompletionResponse:
+        async for _ in outputs:
+            pass
+        choices = []
+        for choice in sorted(job.choices.values(), key=lambda c: c.index):
+            out = choice.last
+            logprobs = self.chat_logprobs(out, 0, req.top_logprobs or 0) if req.logprobs else None
+            choices.append(
+                ChatChoice(
+                    index=choice.index,
+                    message=AssistantMessage(content=out.text),
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(out),
+                )
+            )
+        return ChatCompletionResponse(
+            id=job.id, model=req.model, choices=choices, usage=job.usage()
+        )

@@ -1,0 +1,62 @@
+"""Start a `deepinfer` server as a subprocess on a free loopback port, wait until
+it answers /health, and stop it at the end, whatever happens: what the serving
+demos and `deepinfer bench --serve` need."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 300
+) -> Iterator[str]:
+    """`deepinfer ARGS --port P`, quiet; yields its URL."""
+    port = free_port()
+    argv = [sys.executable, "-m", "engine.tools.cli", *args, "--port", str(port)]
+    argv += ["--log-level", "warning"]
+    with tempfile.TemporaryFile() as log:  # a pipe could fill up and stall the server
+        proc = subprocess.Popen(
+            argv, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=log
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not _healthy(url):
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"deepinfer {args[0]} exited:\n{log.read().decode()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"deepinfer {args[0]} did not start in {timeout_s} s")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,177 @@
+"""`deepinfer bench --serve`: the same workload through `deepinfer serve` (HTTP,
+streaming, N concurrent clients) and through LLM.generate offline, measured in
+one run, so that the ratio is the server's overhead.
+
+Each client sends its next request as soon as its last one ends. Offline, the
+same prompts go through LLM.generate in waves of N, so that neither side ever
+has more than N requests in the batch. Time to first token is measured from the
+request's sending (server) or its arrival in the engine (offline); inter-token
+latency is a request's (last token - first token) / (tokens - 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.tools.bench import random_prompts
+from engine.tools.launch import launched
+
+
+@dataclass
+class Measured:
+    seconds: float
+    output_tokens: int
+    ttft_ms: list[float]
+    itl_ms: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def p99_ttft(self) -> float:
+        ordered = sorted(self.ttft_ms)
+        return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+def offline(llm: LLM, prompts: list[list[int]], output_len: int, clients: int) -> Measured:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), clients):
+        outputs += llm.generate(prompts[i : i + clients], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    ttft = [(o.metrics["first_token"] - o.metrics["arrival"]) * 1e3 for o in outputs]
+    itl = [
+        (o.metrics["finished"] - o.metrics["first_token"]) * 1e3 / (len(o.token_ids) - 1)
+        for o in outputs
+        if len(o.token_ids) > 1
+    ]
+    return Measured(seconds, sum(len(o.token_ids) for o in outputs), ttft, itl)
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, int]:
+    """(TTFT s, ITL s, tokens) of one streamed completion."""
+    sent = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            now = time.perf_counter()
+            if chunk["choices"]:
+                first = first or now
+                last = now
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    itl = (last - first) / (tokens - 1) if tokens > 1 else 0.0
+    return first - sent, itl, tokens
+
+
+async def served(
+    url: str, model: str, prompts: list[list[int]], output_len: int, clients: int
+) -> Measured:
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[tuple[float, float, int]] = []
+    body = dict(model=model, max_tokens=output_len, temperature=0, ignore_eos=True, stream=True)
+    body["stream_options"] = {"include_usage": True}
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            results.append(await _one(client, url, {**body, "prompt": prompt}))
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+        seconds = time.perf_counter() - start
+    return Measured(
+        seconds,
+        sum(r[2] for r in results),
+        [r[0] * 1e3 for r in results],
+        [r[1] * 1e3 for r in results if r[2] > 1],
+    )
+
+
+def _row(label: str, m: Measured) -> str:
+    itl = statistics.mean(m.itl_ms) if m.itl_ms else float("nan")
+    return (
+        f"{label:<10}{m.tokens_per_s:>10.1f}{statistics.mean(m.ttft_ms):>12.1f}"
+        f"{m.p99_ttft():>12.1f}{itl:>10.1f}"
+    )
+
+
+def _ratio(s: Measured, o: Measured) -> str:
+    def r(a: float, b: float) -> str:
+        return f"{a / b:.2f}x" if b else "-"
+
+    itl_s = statistics.mean(s.itl_ms) if s.itl_ms else 0.0
+    itl_o = statistics.mean(o.itl_ms) if o.itl_ms else 0.0
+    cells = [
+        r(s.tokens_per_s, o.tokens_per_s),
+        r(statistics.mean(s.ttft_ms), statistics.mean(o.ttft_ms)),
+        r(s.p99_ttft(), o.p99_ttft()),
+        r(itl_s, itl_o),
+    ]
+    return f"{'ratio':<10}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (10, 12, 12, 10)))
+
+
+def run(
+    model: str,
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: int,
+    concurrency: list[int],
+    seed: int = 0,
+    device: str | None = None,
+    threads: int = 1,
+) -> str:
+    """The table. Both sides get ``threads`` torch threads: on a two-core machine
+    the server's HTTP side and the clients need the other core."""
+    torch.set_num_threads(threads)
+    llm = LLM(model, seed=seed, device=device, max_num_seqs=max(concurrency))
+    hf = llm.llm_engine.config.hf_config
+    prompts = random_prompts(num_prompts, *input_len, hf.vocab_size, seed)
+    warm = prompts[: min(4, len(prompts))]
+    name = os.path.basename(os.path.normpath(model))
+    lines = [
+        f"model: {hf.architecture}, {hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
+        f"{llm.llm_engine.config.device}, {threads} torch thread(s) on each side",
+        f"{num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, "
+        f"{output_len} output tokens each, greedy",
+        "server: deepinfer serve, streaming over loopback HTTP; "
+        "offline: LLM.generate in waves of N",
+        "",
+    ]
+    serve = ["serve", model, "--max-num-seqs", str(max(concurrency))]
+    serve += ["--device", device] if device else []
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    with launched(*serve, env=env) as url:
+        offline(llm, warm, 2, len(warm))
+        asyncio.run(served(url, name, warm, 2, len(warm)))
+        for clients in concurrency:
+            s = asyncio.run(served(url, name, prompts, output_len, clients))
+            o = offline(llm, prompts, output_len, clients)
+            lines += [
+                f"{clients} concurrent clients",
+                f"{'':<10}{'tok/s':>10}{'TTFT mean':>12}{'TTFT p99':>12}{'ITL mean':>10}  (ms)",
+                _row("server", s),
+                _row("offline", o),
+                _ratio(s, o),
+                "",
+            ]
+    return "\n".join(lines).rstrip()
