@@ -9,7 +9,39 @@ from pathlib import Path
 import torch
 
 # Architectures the engine can run, by the name config.json gives them.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek-V3)."""
+
+    q_lora_rank: int | None  # None: queries come straight from the hidden state
+    kv_lora_rank: int  # the latent each token caches, shared by every head
+    qk_nope_head_dim: int  # per head: the part of q.k without position
+    qk_rope_head_dim: int  # the rotary part; its key is shared by every head and cached
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are (x0, x1), (x2, x3), ... in the checkpoint
+
+
+@dataclass
+class MoEConfig:
+    """DeepSeek-V3's mixture of experts, in the layers after the first dense ones."""
+
+    num_experts: int  # routed experts
+    num_shared_experts: int
+    intermediate_size: int  # of one expert
+    top_k: int
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int  # layers before this index are dense
 
 
 @dataclass
@@ -32,6 +64,9 @@ class ModelConfig:
     attention_bias: bool  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool  # RMSNorm on each head's q and k before RoPE (Qwen3)
     eos_token_ids: tuple[int, ...]
+    mla: MLAConfig | None = None  # DeepSeek-V3 only, as are the two below
+    moe: MoEConfig | None = None
+    num_mtp_layers: int = 0  # multi-token prediction modules stored after the layers
 
     @classmethod
     def from_pretrained(cls, path: Path) -> ModelConfig:
@@ -48,6 +83,7 @@ class ModelConfig:
             raise ValueError("sliding-window attention is not supported")
         heads = raw["num_attention_heads"]
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        deepseek = arch == "DeepseekV3ForCausalLM"
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -59,13 +95,54 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(raw, rope_scaling),
-            rope_scaling=_rope_scaling(rope_scaling),
+            rope_scaling=_rope_scaling(rope_scaling, raw),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=_eos_ids(path, raw),
+            mla=_mla(raw) if deepseek else None,
+            moe=_moe(raw) if deepseek else None,
+            num_mtp_layers=raw.get("num_nextn_predict_layers", 0) if deepseek else 0,
         )
+
+
+def _mla(raw: dict) -> MLAConfig:
+    return MLAConfig(
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=raw["kv_lora_rank"],
+        qk_nope_head_dim=raw["qk_nope_head_dim"],
+        qk_rope_head_dim=raw["qk_rope_head_dim"],
+        v_head_dim=raw["v_head_dim"],
+        rope_interleave=raw.get("rope_interleave", True),
+    )
+
+
+# DeepSeek config fields the engine implements one value of: a checkpoint that
+# names another value would run, wrongly, if we did not stop it here.
+DEEPSEEK_VARIANTS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+
+def _moe(raw: dict) -> MoEConfig:
+    for name, supported in DEEPSEEK_VARIANTS.items():
+        if raw.get(name, supported) != supported:
+            raise ValueError(
+                f"unsupported {name} {raw[name]!r} in config.json; supported: {supported!r}"
+            )
+    experts, groups = raw["n_routed_experts"], raw.get("n_group") or 1
+    if experts % groups:
+        raise ValueError(f"n_routed_experts {experts} is not divisible by n_group {groups}")
+    return MoEConfig(
+        num_experts=experts,
+        num_shared_experts=raw.get("n_shared_experts") or 0,
+        intermediate_size=raw["moe_intermediate_size"],
+        top_k=raw["num_experts_per_tok"],
+        num_groups=groups,
+        topk_groups=raw.get("topk_group") or 1,
+        norm_topk_prob=raw.get("norm_topk_prob", True),
+        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+        first_k_dense_replace=raw.get("first_k_dense_replace", 0),
+    )
 
 
 def _rope_theta(raw: dict, rope: dict | None) -> float:
@@ -74,16 +151,22 @@ def _rope_theta(raw: dict, rope: dict | None) -> float:
     return float((rope or {}).get("rope_theta", 10000.0))
 
 
-def _rope_scaling(rope: dict | None) -> dict | None:
+def _rope_scaling(rope: dict | None, raw: dict) -> dict | None:
     """Keep only scaling that changes the frequencies; 'default' means none."""
     if not rope:
         return None
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3")
-    return dict(rope, rope_type=kind)
+    if kind not in ("llama3", "yarn"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, yarn")
+    rope = dict(rope, rope_type=kind)
+    if kind == "yarn":  # the defaults transformers fills in
+        longest = raw.get("max_position_embeddings", 4096)
+        rope.setdefault("original_max_position_embeddings", longest)
+        if rope.get("factor") is None:
+            rope["factor"] = longest / rope["original_max_position_embeddings"]
+    return rope
 
 
 def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:

@@ -4,9 +4,9 @@ many blocks fit, and the tensors themselves.
 Each attention layer describes its cache with a small spec: how many bytes a
 block takes, and how to allocate one layer's worth of blocks. Today's layers
 keep a key and a value per KV head (`FullAttentionSpec`). A layer that caches
-one latent vector per token (MLA), or quantized values with their scales, brings
-its own spec, and the pool sizes and allocates it the same way; the model
-runner never looks inside. Whatever a layer keeps, a token has the same
+one latent vector per token (MLA, `MLACacheSpec`), or quantized values with their
+scales, brings its own spec, and the pool sizes and allocates it the same way;
+the model runner never looks inside. Whatever a layer keeps, a token has the same
 (block, slot) address in every layer, so one block table serves them all.
 """
 
@@ -75,6 +75,32 @@ def store_kvcache(
     (Slot -1, the padding of a CUDA graph's batch, never reaches this function.)"""
     cache.k.view(-1, *cache.k.shape[2:]).index_copy_(0, slot_mapping, k)
     cache.v.view(-1, *cache.v.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+@dataclass(frozen=True)
+class MLACacheSpec:
+    """Multi-head latent attention (engine/layers/mla.py): one row per token, the
+    latent (kv_lora_rank numbers) then the rotary key (rope_dim), for all heads."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: torch.dtype
+
+    def block_bytes(self, block_size: int) -> int:
+        return block_size * (self.kv_lora_rank + self.rope_dim) * self.dtype.itemsize
+
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+        """[num_blocks, block_size, kv_lora_rank + rope_dim]."""
+        shape = (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=device)  # zeros: see above
+
+
+def store_latent(
+    latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write this step's [latent, rotary key] rows into their slots, one indexed copy."""
+    rows = torch.cat([latent, k_rope], dim=-1)
+    cache.view(-1, rows.shape[-1]).index_copy_(0, slot_mapping, rows)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class ModelRunner:
             use_fixed_row_tiles(self.model)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self._bind_expert_counts()
         self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
         self.max_model_len = self.kv_cache.max_model_len
         self.graphs: CUDAGraphRunner | None = None
@@ -77,6 +78,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and self.backend.name == "triton"
             and not config.enforce_eager
+            and getattr(self.model, "supports_cuda_graphs", True)
         ):
             c = config.hf_config
             self.graphs = CUDAGraphRunner(
@@ -88,6 +90,17 @@ class ModelRunner:
                 config.dtype,
                 self.device,
             )
+
+    def _bind_expert_counts(self) -> None:
+        """Every MoE layer counts its tokens into a row of one tensor in the stats."""
+        experts = self.model.experts() if hasattr(self.model, "experts") else []
+        if experts:
+            counts = torch.zeros(
+                len(experts), experts[0].num_experts, dtype=torch.int64, device=self.device
+            )
+            for row, layer in zip(counts, experts):
+                layer.token_counts = row
+            self.stats.expert_tokens = counts
 
     def kv_cache_config(self) -> KVCacheConfig:
         return self.kv_cache.kv_cache_config()

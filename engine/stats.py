@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class EngineStats:
@@ -20,3 +22,6 @@ class EngineStats:
     discarded_tokens: int = 0
     forward_seconds: float = 0.0  # time in the model's forward pass and logits
     step_seconds: float = 0.0  # time inside LLMEngine.step, forward included
+    # [MoE layer, expert] tokens routed, recomputes included (MTP modules' layers last);
+    # None for a model without experts
+    expert_tokens: torch.Tensor | None = None

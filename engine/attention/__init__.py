@@ -61,6 +61,14 @@ class AttentionBackend(Protocol[M]):
         and values, already written to the cache."""
         ...
 
+    def mla_decode(
+        self, q: torch.Tensor, cache: torch.Tensor, rank: int, attn_metadata: M, scale: float
+    ) -> torch.Tensor:
+        """MLA's absorbed decode: q [decodes, heads, rank + rope] over the paged latents,
+        one KV head for every query head; returns [decodes, heads, rank]. See
+        layers/mla.py."""
+        ...
+
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

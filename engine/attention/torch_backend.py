@@ -117,6 +117,24 @@ class TorchBackend:
     rms_norm = staticmethod(rms_norm)
     rotary_embedding = staticmethod(rotary_embedding)
 
+    def mla_decode(
+        self, q, cache: torch.Tensor, rank: int, attn_metadata: TorchAttentionMetadata, scale
+    ) -> torch.Tensor:
+        """Absorbed MLA decode (engine/layers/mla.py): q [decodes, heads, rank + rope]
+        over the paged latents [blocks, block_size, rank + rope], which serve as one
+        KV head shared by every query head, with their first rank numbers as values.
+        Returns [decodes, heads, rank]."""
+        out = q.new_empty(*q.shape[:2], rank)
+        for group in attn_metadata.decode_groups:
+            rows, tables = group.rows, group.tables
+            latents = gather_blocks(cache, tables, self._buffer("latent", cache, tables))
+            latents = latents[:, None]  # [seqs, 1, L, rank + rope]: the one KV head
+            o = F.scaled_dot_product_attention(
+                q[rows][:, None], latents, latents[..., :rank], attn_mask=group.valid, scale=scale
+            )
+            out[rows] = o[:, 0]
+        return out
+
     def forward(self, q, k, v, cache: PagedKV, attn_metadata: TorchAttentionMetadata, scale):
         """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim],
         already stored in the cache. The result has q's shape."""

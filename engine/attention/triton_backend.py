@@ -96,6 +96,11 @@ class TritonBackend:
             )
         return out
 
+    def mla_decode(self, q, cache, rank: int, attn_metadata: TritonAttentionMetadata, scale):
+        """Absorbed MLA decode over the paged latents: engine/kernels/mla_decode.py."""
+        tables, lens = attn_metadata.block_tables, attn_metadata.context_lens
+        return self.kernels.paged_mla_decode(q, cache, tables, lens, rank, scale)
+
     def rms_norm(self, x, residual, weight, eps):
         rows = x.reshape(-1, x.shape[-1])  # q/k norms see [tokens, heads, head_dim]
         if residual is None:

@@ -1,4 +1,5 @@
-"""Triton kernels for the GPU path: paged KV-cache writes, paged attention, RMSNorm, RoPE.
+"""Triton kernels for the GPU path: paged KV-cache writes, paged attention (and MLA's
+absorbed decode), RMSNorm, RoPE.
 
 Each kernel lives in its own small module, next to the Python wrapper that
 checks shapes, picks tile sizes and launches it; `engine.kernels.reference`
@@ -23,6 +24,7 @@ else:
     # function: importing a submodule binds its name in this package, and the
     # module store_kvcache would otherwise shadow the function of the same name.
     from engine.kernels.decode_attention import paged_decode_attention
+    from engine.kernels.mla_decode import paged_mla_decode
     from engine.kernels.prefill_attention import paged_prefill_attention
     from engine.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from engine.kernels.rotary import rotary_embedding
@@ -34,6 +36,7 @@ __all__ = [
     "fused_add_rms_norm",
     "interpreter_active",
     "paged_decode_attention",
+    "paged_mla_decode",
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",

@@ -59,6 +59,24 @@ def paged_decode_attention(
     return paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
+def paged_mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA decode: every head scores [c, k_rope] rows and sums their c parts."""
+    out = torch.empty((*q.shape[:2], rank), dtype=torch.float64, device=q.device)
+    for i, context_len in enumerate(context_lens.tolist()):
+        blocks = block_tables[i][block_tables[i] >= 0].long()  # -1 pads the table
+        latents = cache[blocks].flatten(0, 1)[:context_len].double()  # [context, rank + rope]
+        weights = (q[i].double() @ latents.T * scale).softmax(-1)  # [heads, context]
+        out[i] = weights @ latents[:, :rank]
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.double()
     return weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 # Qwen2 is Llama with biases on q, k and v; Qwen3 adds a norm on q and k. The
@@ -13,6 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

@@ -1,6 +1,8 @@
 """`deepinfer bench`: throughput and latency of the engine on random prompts,
 optionally against transformers' padded batched generate on the same model,
-measured in the same run so that the ratio means something."""
+measured in the same run so that the ratio means something; and the bytes the
+KV cache keeps per token, as the engine's cache pool counts them, against a
+dense attention of the same width (which is what MLA saves)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from engine.kv_cache import FullAttentionSpec
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -94,6 +98,36 @@ def run_transformers(
     return Result(seconds, (out.shape[1] - width) * len(prompts), [], [])
 
 
+def kv_bytes_per_token_per_layer(llm: LLM) -> float:
+    """What the engine's cache pool allocates per token, averaged over its layers."""
+    pool = llm.llm_engine.executor.model_runner.kv_cache
+    return pool.block_bytes() / pool.block_size / len(pool.specs)
+
+
+def kv_cache_lines(llm: LLM, baselines: list[str]) -> list[str]:
+    """Bytes per token and layer: this model's, a dense multi-head attention of the
+    same width (every head's key and value, head_dim = hidden / heads), and the
+    dense models named in ``baselines``, each loaded into a cache pool of its own."""
+    cfg = llm.llm_engine.config
+    hf = cfg.hf_config
+    ours = kv_bytes_per_token_per_layer(llm)
+    rows = [(f"this model ({hf.architecture})", ours)]
+    if hf.mla is not None:
+        rows[0] = (f"this model (MLA: {hf.mla.kv_lora_rank} + {hf.mla.qk_rope_head_dim})", ours)
+        heads = hf.num_attention_heads
+        mha = FullAttentionSpec(heads, hf.hidden_size // heads, cfg.dtype)
+        rows.append((f"dense MHA, width {hf.hidden_size}", mha.block_bytes(1)))
+    for path in baselines:
+        other = LLM(path, device=cfg.device, dtype=cfg.dtype, num_kv_blocks=1)
+        name = other.llm_engine.config.hf_config.architecture
+        rows.append((f"{Path(path).name} ({name})", kv_bytes_per_token_per_layer(other)))
+    lines = [f"KV cache per token and layer, {str(cfg.dtype).removeprefix('torch.')}:"]
+    for name, value in rows:
+        ratio = "" if value == ours else f"  {value / ours:5.2f}x this model's"
+        lines.append(f"  {name:34}{value:8.0f} bytes{ratio}")
+    return lines
+
+
 def _ms(values: list[float]) -> str:
     return f"{statistics.mean(values):10.1f}" if values else f"{'-':>10}"
 
@@ -105,6 +139,7 @@ def run(
     output_len: int,
     compare_hf: bool,
     seed: int = 0,
+    kv_baselines: list[str] | None = None,
     **llm_kwargs,
 ) -> str:
     llm = LLM(model, seed=seed, **llm_kwargs)
@@ -145,4 +180,5 @@ def run(
         lines.append(
             f"engine / transformers output tokens/s: {ours.tokens_per_s / theirs.tokens_per_s:.2f}x"
         )
+    lines += ["", *kv_cache_lines(llm, kv_baselines or [])]
     return "\n".join(lines)

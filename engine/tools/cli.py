@@ -119,6 +119,7 @@ def _bench(args: argparse.Namespace) -> int:
             args.output_len,
             args.compare_hf,
             seed=args.seed,
+            kv_baselines=args.kv_baseline,
             device=args.device,
             max_num_seqs=max(args.num_prompts, 1),
         )
@@ -226,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--device", default=None)
+    bench.add_argument(
+        "--kv-baseline",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also load this model and compare its KV bytes per token (repeatable)",
+    )
     bench.set_defaults(func=_bench)
 
     edition = sub.add_parser("edition", help="compare a checkout with the book's edition")

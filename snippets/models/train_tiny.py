@@ -568,6 +568,18 @@ def markdown(rec: Records) -> str:
     return "\n".join(lines)
 
 
+def kept_records(out: Path) -> tuple[dict, str]:
+    """The model entries of records.json and the RECORDS.md sections that other training
+    scripts added (each section starts with an HTML comment naming its script)."""
+    rec_file, md_file = out / "records.json", out / "RECORDS.md"
+    if not rec_file.is_file() or not md_file.is_file():
+        return {}, ""
+    models = json.loads(rec_file.read_text())["models"]
+    text = md_file.read_text()
+    start = text.find("\n<!-- ")
+    return models, "" if start < 0 else "\n" + text[start + 1 :]
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -734,12 +746,16 @@ def main(argv: list[str] | None = None) -> int:
             ["python snippets/models/train_tiny.py", *(argv if argv is not None else sys.argv[1:])]
         ),
     }
+    # Models other scripts trained (train_tiny_moe.py) keep their records.
+    kept_models, kept_text = kept_records(args.out)
     # Write twice: the second time the records know their own size and the wall time.
     for _ in range(2):
         rec.run["wall_minutes"] = round((time.perf_counter() - t0) / 60, 2)
         rec.run["cpu_minutes"] = round((time.process_time() - cpu0) / 60, 2)
-        (args.out / "records.json").write_text(json.dumps(asdict(rec), indent=2) + "\n")
-        (args.out / "RECORDS.md").write_text(markdown(rec))
+        records = asdict(rec)
+        records["models"] |= {k: v for k, v in kept_models.items() if k not in rec.models}
+        (args.out / "records.json").write_text(json.dumps(records, indent=2) + "\n")
+        (args.out / "RECORDS.md").write_text(markdown(rec) + kept_text)
         rec.run["shipped_bytes"] = folder_bytes(args.out)
     log(f"done in {rec.run['wall_minutes']:.1f} min; wrote {args.out}")
     return 0 if rec.targets["perplexity_met"] and rec.targets["agreement_met"] else 1

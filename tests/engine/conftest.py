@@ -77,6 +77,67 @@ def hf_config(arch: str):
         return transformers.Qwen3Config(
             **common, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False
         )
+    if arch.startswith("deepseek"):
+        return deepseek_config(arch, common)
+    raise ValueError(arch)
+
+
+def deepseek_config(arch: str, common: dict):
+    """Two tiny DeepSeek-V3s that between them take every branch: low-rank or direct
+    queries, plain or YaRN RoPE, interleaved or neox rotary layout, several expert
+    groups or one, normalised or raw top-k weights; the first has an MTP module."""
+    import transformers
+
+    mla_moe = dict(
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,  # unused by MLA; transformers' default (128) breaks eager
+        tie_word_embeddings=False,
+    )
+    if arch == "deepseek":
+        return transformers.DeepseekV3Config(
+            **common,
+            **mla_moe,
+            q_lora_rank=24,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rope_interleave=True,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=1,
+        )
+    if arch == "deepseek-yarn":
+        return transformers.DeepseekV3Config(
+            **common,
+            **mla_moe,
+            q_lora_rank=None,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,  # prompts reach past it
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,  # both the cos/sin and the softmax scale move
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            rope_interleave=False,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            num_nextn_predict_layers=0,
+        )
     raise ValueError(arch)
 
 
@@ -87,12 +148,59 @@ def hf_model_class(arch: str):
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "deepseek": transformers.DeepseekV3ForCausalLM,
+        "deepseek-yarn": transformers.DeepseekV3ForCausalLM,
     }[arch]
+
+
+def add_mtp_weights(model: torch.nn.Module, path: Path) -> None:
+    """transformers builds no MTP module; write random ones into the checkpoint as
+    DeepSeek stores them: layer num_hidden_layers + k, with copies of the embedding and
+    the output head (which the engine shares) beside the module's own tensors."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = model.config
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for k in range(cfg.num_nextn_predict_layers):
+        n = cfg.num_hidden_layers + k
+        block = DeepseekV3DecoderLayer(cfg, n)
+        width = cfg.hidden_size
+        module = block.state_dict() | {
+            "enorm.weight": torch.ones(width),
+            "hnorm.weight": torch.ones(width),
+            "eh_proj.weight": torch.empty(width, 2 * width),
+            "shared_head.norm.weight": torch.ones(width),
+        }
+        for name, t in module.items():
+            if name.endswith("norm.weight"):
+                t = 1 + 0.1 * torch.randn(t.shape, generator=g)
+            else:
+                t = 0.1 * torch.randn(t.shape, generator=g)
+            if name.startswith("mlp.experts."):  # one set of matrices per expert, as saved
+                stacked = name.split(".")[-1]
+                for e, m in enumerate(t):
+                    halves = [m] if stacked == "down_proj" else m.chunk(2)
+                    projs = ["down_proj"] if stacked == "down_proj" else ["gate_proj", "up_proj"]
+                    for proj, h in zip(projs, halves):
+                        tensors[f"model.layers.{n}.mlp.experts.{e}.{proj}.weight"] = h.clone()
+            else:
+                tensors[f"model.layers.{n}.{name}"] = t
+        tensors[f"model.layers.{n}.embed_tokens.weight"] = tensors[
+            "model.embed_tokens.weight"
+        ].clone()
+        tensors[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
 def build_checkpoint(arch: str, path: Path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = hf_model_class(arch)(hf_config(arch)).eval()
+    if arch.startswith("deepseek"):  # transformers zeroes the routing biases; make them count
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     if arch == "qwen2":  # transformers initialises biases to zero; make them count
         with torch.no_grad():
             for layer in model.model.layers:
@@ -103,11 +211,13 @@ def build_checkpoint(arch: str, path: Path, seed: int = 0, **save_kwargs) -> tor
                 ):
                     proj.bias.normal_(0, 0.1)
     model.save_pretrained(path, **save_kwargs)
+    if arch == "deepseek":
+        add_mtp_weights(model, path)
     build_tokenizer(path)
     return model
 
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "deepseek", "deepseek-yarn"]
 
 
 @pytest.fixture(scope="session", params=ARCHS)
@@ -121,6 +231,18 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
 def qwen3(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("qwen3-single")
     return path, build_checkpoint("qwen3", path)
+
+
+@pytest.fixture(scope="session")
+def deepseek(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("deepseek-single")
+    return path, build_checkpoint("deepseek", path)
+
+
+@pytest.fixture(scope="session")
+def deepseek_yarn(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("deepseek-yarn-single")
+    return path, build_checkpoint("deepseek-yarn", path)
 
 
 def random_prompts(n: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:

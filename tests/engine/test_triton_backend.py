@@ -1,7 +1,7 @@
 """The whole engine on the Triton backend, under Triton's interpreter on CPU:
-the same greedy tokens as the torch reference backend, through plain prefill,
-chunked prefill, prefix-cache hits and decode, and decodes whose context is cut
-into several of the decode kernel's splits."""
+the same greedy tokens as the torch reference backend and as transformers, through
+plain prefill, chunked prefill, prefix-cache hits and decode, and decodes whose
+context is cut into several of the decode kernel's splits."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ SCRIPT = textwrap.dedent(
         stats = llm.stats
         assert stats.partial_prefills > 0 and stats.prefix_cache_hit_tokens > 0, stats
     assert outputs["torch"] == outputs["triton"], outputs
+    from transformers import AutoModelForCausalLM
+    from tests.engine.conftest import hf_greedy
+
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert outputs["triton"] == [hf_greedy(hf, p, 8) for p in prompts]
     print("identical", len(prompts))
     """
 )
@@ -75,8 +80,12 @@ def run(script: str, *args: str, interpret: bool) -> subprocess.CompletedProcess
     )
 
 
-def test_triton_backend_matches_torch_backend(qwen3) -> None:
-    proc = run(SCRIPT, str(qwen3[0]), interpret=True)
+# deepseek: the MLA decode kernel, with low-rank queries, interleaved RoPE and grouped
+# routing; deepseek_yarn: with direct queries, YaRN (its softmax scale and cos/sin) and
+# one expert group.
+@pytest.mark.parametrize("model", ["qwen3", "deepseek", "deepseek_yarn"])
+def test_triton_backend_matches_torch_backend(model, request) -> None:
+    proc = run(SCRIPT, str(request.getfixturevalue(model)[0]), interpret=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "identical 6"
 

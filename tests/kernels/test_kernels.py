@@ -51,6 +51,7 @@ from engine.kernels import (  # noqa: E402
     check_available,
     fused_add_rms_norm,
     paged_decode_attention,
+    paged_mla_decode,
     paged_prefill_attention,
     reference,
     rms_norm,
@@ -254,6 +255,40 @@ def test_decode_attention_empty_context_gives_zeros(seed: int) -> None:
         q[1:], k_cache, v_cache, block_tables[1:], context_lens[1:], 0.125
     )
     check(out[1:], ref, TOLERANCE[torch.float32], seed)
+
+
+# ---------------------------------------------------------------------------- MLA decode
+
+
+@pytest.mark.parametrize(
+    ("rank", "rope", "num_heads", "block_size"),
+    [(64, 16, 4, 16), (96, 8, 20, 64)],  # one head block; two, the second partial
+    ids=lambda v: str(v),
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_mla_decode(
+    dtype: torch.dtype,
+    rank: int,
+    rope: int,
+    num_heads: int,
+    block_size: int,
+    seed: int,
+    poison: None,
+) -> None:
+    """Absorbed MLA decode over paged latents: ragged contexts, one and several splits."""
+    context_lens = [1, KV_SPLIT_SIZE + random.randint(1, 100), random.randint(2, 200)]
+    random.shuffle(context_lens)
+    # A cache of one "head" of width rank + rope: make_paged_cache's layout, squeezed.
+    cache, _, block_tables = make_paged_cache(context_lens, block_size, 1, rank + rope, dtype)
+    cache = cache[:, :, 0].contiguous()
+    q = torch.randn(len(context_lens), num_heads, rank + rope).to(dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    scale = (rank + rope) ** -0.5
+    out = torch.full((len(context_lens), num_heads, rank), float("nan"), dtype=dtype)
+    result = paged_mla_decode(q, cache, block_tables, lens, rank, scale, out=out)
+    assert result is out
+    ref = reference.paged_mla_decode(q, cache, block_tables, lens, rank, scale)
+    check(out, ref, TOLERANCE[dtype], seed, f"context_lens={context_lens}")
 
 
 # ---------------------------------------------------------------------------- prefill attention

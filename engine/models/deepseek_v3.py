@@ -1,0 +1,285 @@
+"""DeepSeek-V3: multi-head latent attention, dense layers then mixture-of-experts
+layers, and multi-token prediction (MTP) modules after the last layer.
+
+The checkpoint is read as transformers saves it: one tensor per expert (packed
+here into one stacked parameter per layer), and the MTP modules at layer index
+num_hidden_layers and up, as DeepSeek stores them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.layernorm import RMSNorm
+from engine.layers.mla import MLAAttention
+from engine.layers.moe import Experts, GatedMLP, MoE
+from engine.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
+from engine.layers.router import GroupedTopKRouter
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' default, not the config's
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale squared when mscale_all_dim asks for it:
+    DeepSeek moves that part of YaRN's temperature from cos/sin into the softmax."""
+    mla = cfg.mla
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    rope = cfg.rope_scaling
+    if rope is not None and rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    return scale
+
+
+class DeepseekV3Attention(nn.Module):
+    """MLA's projections: queries (low-rank or direct), the latent and the rotary key,
+    and the output; the cache and the attention itself are MLAAttention's."""
+
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        mla, width, bias = cfg.mla, cfg.hidden_size, cfg.attention_bias
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+        self.kv_lora_rank = mla.kv_lora_rank
+        q_size = self.num_heads * (self.nope_dim + self.rope_dim)
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(width, q_size, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(width, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_size, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(width, mla.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            mla.kv_lora_rank, self.num_heads * (self.nope_dim + mla.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, width, bias=bias)
+        self.rotary_emb = rotary_emb
+        self.attn = MLAAttention(
+            self.num_heads,
+            mla.kv_lora_rank,
+            self.nope_dim,
+            self.rope_dim,
+            mla.v_head_dim,
+            softmax_scale(cfg),
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(len(x), self.num_heads, -1).split(
+            [self.nope_dim, self.rope_dim], dim=-1
+        )
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        latent = self.kv_a_layernorm(latent)
+        q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope[:, None])
+        o = self.attn(q_nope, q_rope, latent, k_rope[:, 0], self.kv_b_proj.weight)
+        return self.o_proj(o.flatten(1))
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, index: int) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(cfg, rotary_emb)
+        moe = cfg.moe
+        if index >= moe.first_k_dense_replace:
+            gate = GroupedTopKRouter(
+                cfg.hidden_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.num_groups,
+                moe.topk_groups,
+                moe.norm_topk_prob,
+                moe.routed_scaling_factor,
+            )
+            self.mlp = MoE(cfg.hidden_size, moe.intermediate_size, moe.num_shared_experts, gate)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class SharedHead(nn.Module):
+    """The MTP module's final norm; its output head is the main model's lm_head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3MTP(DeepseekV3DecoderLayer):
+    """A multi-token prediction module: a decoder layer (stored as layer
+    num_hidden_layers + k, with that layer's names) and the parts around it.
+
+    Given the main model's final hidden state h_i at position i and the token t_{i+1},
+    it predicts t_{i+2}: the decoder layer runs over eh_proj([enorm(emb(t_{i+1})),
+    hnorm(h_i)]) at position i, and shared_head.norm then the main model's output
+    head give the logits. (The V3 report writes the concatenation hidden first; the
+    released eh_proj weights take the embedding first.)
+    """
+
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, index: int) -> None:
+        super().__init__(cfg, rotary_emb, index)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def predict(
+        self, positions: torch.Tensor, hidden: torch.Tensor, next_embeds: torch.Tensor
+    ) -> torch.Tensor:
+        """The normalised hidden state that the output head turns into t_{i+2}'s logits."""
+        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+        x, residual = self.forward(positions, x, None)
+        x, _ = self.shared_head.norm(x, residual)
+        return x
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(
+            cfg.mla.qk_rope_head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            interleaved=cfg.mla.rope_interleave,
+        )
+        n = cfg.num_hidden_layers
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, rope, i) for i in range(n))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mtp = nn.ModuleList(DeepseekV3MTP(cfg, rope, n + k) for k in range(cfg.num_mtp_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    # The MoE layers size each expert's matmul from the routing, on the host: a
+    # decode step cannot be captured in a CUDA graph.
+    supports_cuda_graphs = False
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def mtp_logits(
+        self, positions: torch.Tensor, hidden: torch.Tensor, next_token_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits of token i+2 for each row: from the main model's final hidden state
+        at position i and token i+1, through the first MTP module (DeepSeek-V3 ships
+        one). Runs under forward_context, as the model does: the module's attention
+        stores these rows in its own paged cache and attends over the rows of the
+        same sequence it stored before."""
+        x = self.model.mtp[0].predict(positions, hidden, self.model.embed_tokens(next_token_ids))
+        return self.lm_head(x)
+
+    def attention_layers(self) -> list[MLAAttention]:
+        """Every layer with a paged cache: the main layers', then the MTP modules'."""
+        return [layer.self_attn.attn for layer in (*self.model.layers, *self.model.mtp)]
+
+    def experts(self) -> list[Experts]:
+        """The routed experts of every MoE layer, main layers first."""
+        layers = (*self.model.layers, *self.model.mtp)
+        return [layer.mlp.experts for layer in layers if isinstance(layer.mlp, MoE)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in, and prove every element of every parameter was."""
+        params = dict(self.named_parameters())
+        filled = dict.fromkeys(params, 0)
+        shared: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed, never loaded
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, part = self._target(name)
+            if target.startswith("model.mtp.") and target.endswith(
+                (".embed_tokens.weight", ".shared_head.head.weight")
+            ):
+                shared[name] = tensor  # an MTP module's copy of the main model's
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            dest = part(params[target].data)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                    f"model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled[target] += dest.numel()
+        missing = sorted(n for n, p in params.items() if filled[n] != p.numel())
+        if missing:
+            raise ValueError(
+                f"checkpoint lacks weights for: {', '.join(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
+        self._check_shared(shared)
+
+    def _target(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Our parameter for a checkpoint tensor, and the part of it the tensor fills."""
+        n = self.config.num_hidden_layers
+        layer = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+        if layer and int(layer[1]) >= n:  # an MTP module, stored after the layers
+            name = f"model.mtp.{int(layer[1]) - n}.{layer[2]}"
+        expert = re.search(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if expert:  # one expert's matrix: its row of the stacked parameter
+            e, proj = int(expert[1]), expert[2]
+            stacked = "down_proj" if proj == "down" else "gate_up_proj"
+            target = f"{name[: expert.start()]}.experts.{stacked}"
+            return target, lambda p: _half(p[e], proj)
+        mlp = re.search(r"\.(gate|up)_proj\.weight$", name)
+        if mlp:  # a dense MLP's or the shared experts': half of the fused gate_up_proj
+            proj = mlp[1]
+            return name.replace(f".{proj}_proj.", ".gate_up_proj."), lambda p: _half(p, proj)
+        return name, lambda p: p
+
+    def _check_shared(self, shared: dict[str, torch.Tensor]) -> None:
+        """DeepSeek's checkpoints repeat the embedding and the head in each MTP layer;
+        the engine shares the main model's, so the copies must be equal to them."""
+        for name, tensor in shared.items():
+            main = self.model.embed_tokens if "embed_tokens" in name else self.lm_head
+            if not torch.equal(tensor.to(main.weight), main.weight):
+                raise ValueError(f"{name} differs from the main model's, which the engine shares")
+
+
+def _half(param: torch.Tensor, proj: str) -> torch.Tensor:
+    """gate_proj fills the first half of gate_up_proj's rows, up_proj the second;
+    down_proj has a stacked parameter to itself."""
+    if proj == "down":
+        return param
+    rows = param.shape[0] // 2
+    return param.narrow(0, 0 if proj == "gate" else rows, rows)
