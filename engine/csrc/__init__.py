@@ -23,7 +23,9 @@ SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
 
 def build_flags() -> list[str]:
     portable = os.environ.get("DEEPINFER_PORTABLE_BUILD") == "1"
-    return ["-O3", "-fopenmp-simd", "-ffast-math", *([] if portable else ["-march=native"])]
+    # -fopenmp: at::parallel_for is inline, and spreads the work over torch's
+    # threads only when the extension itself is compiled with OpenMP.
+    return ["-O3", "-fopenmp", "-ffast-math", *([] if portable else ["-march=native"])]
 
 
 @functools.cache
@@ -37,6 +39,7 @@ def load() -> bool:
             name="deepinfer_cpu_portable" if portable else "deepinfer_cpu",
             sources=[str(s) for s in SOURCES],
             extra_cflags=build_flags(),
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
     except Exception as e:  # no compiler, a failed build: the torch path still works
