@@ -53,7 +53,7 @@ def main() -> dict:
     exact = sum(row)  # float64 reference, for scale
     print()
     print(f"one row of {ROW} float32 products, {UNITS} cores")
-    print(f"{'batch':>6} {'splits':>7} {'sum':>13}  same bits as alone")
+    print(f"{'batch':>6} {'splits':>7} {'sum':>13}  same bits as batch {BATCHES[0]}")
     alone = reduce(row, splits_for(BATCHES[0]))
     variant = []
     for batch in BATCHES:
