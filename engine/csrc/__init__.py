@@ -21,11 +21,14 @@ from pathlib import Path
 SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
 
 
+def portable() -> bool:
+    return os.environ.get("DEEPINFER_PORTABLE_BUILD") == "1"
+
+
 def build_flags() -> list[str]:
-    portable = os.environ.get("DEEPINFER_PORTABLE_BUILD") == "1"
     # -fopenmp: at::parallel_for is inline, and spreads the work over torch's
     # threads only when the extension itself is compiled with OpenMP.
-    return ["-O3", "-fopenmp", "-ffast-math", *([] if portable else ["-march=native"])]
+    return ["-O3", "-fopenmp", "-ffast-math", *([] if portable() else ["-march=native"])]
 
 
 @functools.cache
@@ -34,9 +37,8 @@ def load() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        portable = os.environ.get("DEEPINFER_PORTABLE_BUILD") == "1"
         cpp_extension.load(
-            name="deepinfer_cpu_portable" if portable else "deepinfer_cpu",
+            name="deepinfer_cpu_portable" if portable() else "deepinfer_cpu",
             sources=[str(s) for s in SOURCES],
             extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],

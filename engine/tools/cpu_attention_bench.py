@@ -45,22 +45,27 @@ def best_us(fns, repeats: int) -> list[float]:
     return [t * 1e6 for t in best]
 
 
+def decode_only_metadata(tables: torch.Tensor, lens: list[int]) -> AttentionMetadata:
+    """A step in which every sequence decodes one token over its cached context."""
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        block_tables=tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32),
+        num_decodes=len(lens),
+        context_lens_cpu=lens,
+        query_lens_cpu=[1] * len(lens),
+    )
+
+
 def one_row(shape, batch: int, dtype: torch.dtype, repeats: int) -> tuple[float, float, float]:
     _, heads, kv_heads, head_dim = shape
     lens = [CONTEXT] * batch
     k, v, tables = random_paged_cache(lens, kv_heads, head_dim, BLOCK_SIZE, dtype, "cpu")
     q = torch.randn(batch, heads, head_dim, dtype=dtype)
-    ctx = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.long),
-        block_tables=tables,
-        context_lens=ctx,
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32),
-        num_decodes=batch,
-        context_lens_cpu=lens,
-        query_lens_cpu=[1] * batch,
-    )
+    meta = decode_only_metadata(tables, lens)
+    ctx = meta.context_lens
     backend = TorchBackend(BLOCK_SIZE)
     torch_meta = backend.build_metadata(meta)  # once per step, shared by every layer
 

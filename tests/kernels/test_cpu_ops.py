@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from engine import csrc
-from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import reference
 from engine.kv_cache import PagedKV
+from engine.tools.cpu_attention_bench import decode_only_metadata
 from engine.tools.kernel_bench import random_paged_cache, rel_err
 from tests.conftest import ROOT
 
@@ -58,15 +58,7 @@ def test_matches_float64_and_the_torch_backend(dtype, block_size, heads, kv_head
     assert rel_err(out, ref) < TOLERANCE[dtype], f"seed {SEED}"
 
     # The torch backend's decode path, on the same step: the two backends agree.
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-        block_tables=tables,
-        context_lens=ctx,
-        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32),
-        num_decodes=len(lens),
-        context_lens_cpu=lens,
-        query_lens_cpu=[1] * len(lens),
-    )
+    meta = decode_only_metadata(tables, lens)
     backend = TorchBackend(block_size)
     clean_k, clean_v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path reads padding
     expect = backend.forward(
