@@ -500,6 +500,10 @@ def markdown(m: dict, evaluation: dict) -> str:
         f"{r['python']}, torch {r['torch']}, transformers {r['transformers']}, {r['machine']}; "
         f"command: `{r['command']}`.",
         "",
+        "To reproduce, rerun that command: on the same machine type and library versions two "
+        "runs write byte-identical weights (the script's docstring gives a check that takes "
+        "minutes, two `--steps 8` runs compared by sha256).",
+        "",
         "Sample generations (greedy):",
         "",
     ]
