@@ -176,12 +176,15 @@ def llama_cpp_run(binary: Path, gguf: Path, batch: int, args: argparse.Namespace
     ctx = batch * (args.input_len + args.output_len)
     cmd = [str(binary), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512"]
     cmd += ["-npp", str(args.input_len), "-ntg", str(args.output_len), "-npl", str(batch)]
-    cmd += ["-t", str(args.threads), "--output-format", "jsonl"]
+    cmd += ["-t", str(args.threads), "--output-format", "jsonl", "--fit", "off"]
     # Its shared libraries sit beside it; the library path keeps the build movable.
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
     out, rss = measured(cmd, env)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    (row,) = [r for r in rows if r.get("pl") == batch]
+    found = [r for r in rows if r.get("pl") == batch]
+    if not found:  # it skips, silently, a batch whose tokens exceed its context
+        raise RuntimeError(f"llama-batched-bench measured no batch of {batch}:\n{out[-2000:]}")
+    row = found[0]
     return Run(row["t"], batch * args.output_len, rss)
 
 
