@@ -25,9 +25,11 @@ def deepinfer(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_streams_the_greedy_completion(qwen3) -> None:
     prompt = "def schedule(self):"
-    proc = deepinfer("generate", "--model", str(qwen3[0]), "--max-tokens", "12", prompt)
+    proc = deepinfer(
+        "generate", "--model", str(qwen3[0]), "--dtype", "float32", "--max-tokens", "12", prompt
+    )
     assert proc.returncode == 0, proc.stderr
-    expected = LLM(qwen3[0]).generate(
+    expected = LLM(qwen3[0], dtype="float32").generate(
         prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
     )
     assert proc.stdout == prompt + expected[0].text + "\n"

@@ -39,7 +39,7 @@ def test_mtp_matches_float64_reference(tmp_path) -> None:
     hf = build_checkpoint("deepseek", tmp_path)
     cfg = hf.config
     cfg.rope_theta = cfg.rope_parameters["rope_theta"]
-    llm = LLM(tmp_path, block_size=16, num_kv_blocks=8)
+    llm = LLM(tmp_path, dtype="float32", block_size=16, num_kv_blocks=8)
     runner = llm.llm_engine.executor.model_runner
     model = runner.model
     assert len(model.model.mtp) == cfg.num_nextn_predict_layers == 1

@@ -84,8 +84,8 @@ def test_without_a_compiler_the_engine_says_so_once_and_uses_torch(tmp_path):
         import sys, warnings
         warnings.simplefilter("default")
         from engine import LLM
-        a = LLM(sys.argv[1])
-        b = LLM(sys.argv[1])
+        a = LLM(sys.argv[1], dtype="float32")
+        b = LLM(sys.argv[1], dtype="float32")
         print(a.llm_engine.config.attention_backend, b.llm_engine.config.attention_backend)
         """
     )
@@ -106,6 +106,6 @@ def test_without_a_compiler_the_engine_says_so_once_and_uses_torch(tmp_path):
 def test_the_cpu_default_decodes_through_the_operator():
     from engine import LLM
 
-    llm = LLM(str(ROOT / "snippets/models/deepinfer-tiny"))
+    llm = LLM(str(ROOT / "snippets/models/deepinfer-tiny"), dtype="float32")
     assert llm.llm_engine.config.attention_backend == "cpu"
     assert type(llm.llm_engine.executor.model_runner.backend).__name__ == "CpuBackend"
