@@ -121,7 +121,9 @@ def _bench(args: argparse.Namespace) -> int:
             args.compare_hf,
             seed=args.seed,
             kv_baselines=args.kv_baseline,
+            repeats=args.repeats,
             device=args.device,
+            dtype=args.dtype,
             max_num_seqs=max(args.num_prompts, 1),
         )
     )
@@ -218,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="output tokens/s, TTFT and inter-token latency")
     bench.add_argument("--model", required=True)
     bench.add_argument("--num-prompts", type=int, default=64)
-    bench.add_argument("--input-len", default="64:256", help="A:B, uniform prompt lengths")
+    bench.add_argument(
+        "--input-len", default="64:256", help="A (every prompt A tokens) or A:B (uniform in A..B)"
+    )
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument(
         "--compare-hf",
@@ -237,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=1, help="with --serve: torch threads on each side"
     )
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs per side")
     bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default=None, help="both sides' dtype; default: the engine's")
     bench.add_argument(
         "--kv-baseline",
         action="append",
