@@ -92,12 +92,33 @@ convert.main()
 """
 
 
+# What the converter imports that the engine's environment lacks (it imports
+# mistral_common unconditionally), pinned, installed beside it rather than into .venv;
+# their own dependencies (pydantic, numpy, regex, ...) come from .venv.
+CONVERTER_DEPS = [
+    "mistral-common==1.13.1",
+    "pydantic-extra-types==2.11.1",
+    "pycountry==26.2.16",
+    "tiktoken==0.14.0",
+    "sentencepiece==0.2.1",
+]
+
+
+def converter_deps() -> Path:
+    target = CACHE / "convert-deps"
+    if not (target / "mistral_common").is_dir():
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target]
+        subprocess.run([*pip, *CONVERTER_DEPS], check=True)
+    return target
+
+
 def convert_to_gguf(src: Path, model: Path, pre_tokenizer: str) -> Path:
     out = CACHE / f"{model.name}-f16.gguf"
     if not out.is_file():
         args = [str(model), "--outtype", "f16", "--outfile", str(out)]
         cmd = [sys.executable, "-c", CONVERT, str(src), pre_tokenizer, *args]
-        subprocess.run(cmd, check=True)
+        env = dict(os.environ, PYTHONPATH=str(converter_deps()))
+        subprocess.run(cmd, check=True, env=env)
     return out
 
 
