@@ -293,13 +293,13 @@ def kv_cache_lines(llm: LLM, baselines: list[str]) -> list[str]:
 
 
 def _best_median(values: list[float], fmt: str) -> str:
-    """The smallest value and the median one (the lower middle of an even count, so
-    that it is one repeat's figure, as the best is)."""
-    return f"{format(min(values), fmt):>10}{format(statistics.median_low(values), fmt):>10}"
+    """The smallest value and the median one (the upper middle of an even count, so
+    that it is one repeat's figure, as the best is, and of two repeats the other)."""
+    return f"{format(min(values), fmt):>10}{format(statistics.median_high(values), fmt):>10}"
 
 
 def median_run(runs: list[Result]) -> Result:
-    return sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
+    return sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
 
 
 def table(side: Side | None) -> dict[str, str]:
