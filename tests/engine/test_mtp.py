@@ -29,7 +29,9 @@ def step_meta(positions: list[int], context: int, decode: bool) -> AttentionMeta
 
 
 def run(runner, meta: AttentionMetadata, fn):
-    """fn() as the model runner runs a forward pass: under the step's context."""
+    """fn() as the model runner runs a forward pass: under the step's context, with
+    the blocks the step writes zeroed first (the pool zeroes blocks on first use)."""
+    runner.kv_cache.touch(int(meta.slot_mapping.max()) // runner.block_size + 1)
     attn_metadata = runner.backend.build_metadata(meta)
     with torch.no_grad(), forward_context(meta, attn_metadata, runner.backend):
         return fn()
