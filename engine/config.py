@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Architectures the engine can run, by the name config.json gives them.
 SUPPORTED_ARCHITECTURES = (
@@ -186,7 +190,8 @@ class EngineConfig:
 
     model: str
     device: str | None = None  # None: cuda when available, else cpu
-    dtype: torch.dtype | str | None = None  # None: float32 on cpu, bfloat16 on cuda
+    dtype: torch.dtype | str | None = None  # None: bfloat16, or float32 on a CPU without
+    # fast bf16 matmul (see default_cpu_dtype)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
     max_num_seqs: int = 256
@@ -221,7 +226,7 @@ class EngineConfig:
         self.hf_config = ModelConfig.from_pretrained(path)
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.dtype is None:
-            self.dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
+            self.dtype = default_cpu_dtype() if self.device == "cpu" else torch.bfloat16
         elif isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
         if self.attention_backend is None:
@@ -250,3 +255,21 @@ class EngineConfig:
         if self.dtype in (torch.float32, torch.bfloat16) and csrc.load():
             return "cpu"
         return "torch"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Does this CPU multiply bf16 matrices in hardware (AVX512-BF16 or AMX)?
+    Without either, oneDNN widens bf16 to fp32 and a bf16 matmul is no faster."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+@functools.cache
+def default_cpu_dtype() -> torch.dtype:
+    """bf16 where the CPU does bf16 matmul well, else fp32; said once, at the first engine."""
+    fast = cpu_has_fast_bf16()
+    dtype = torch.bfloat16 if fast else torch.float32
+    why = "has AVX512-BF16 or AMX" if fast else "has neither AVX512-BF16 nor AMX"
+    logger.info("DeepInfer: CPU dtype %s (this CPU %s); pass dtype= to choose", dtype, why)
+    return dtype

@@ -30,7 +30,9 @@ class KVCacheSpec(Protocol):
         ...
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> Any:
-        """This layer's cache: whatever its attention backend writes and reads."""
+        """This layer's cache: whatever its attention backend writes and reads, as
+        tensors whose first dimension is the block (contents undefined until the
+        pool zeroes them)."""
         ...
 
 
@@ -63,8 +65,7 @@ class FullAttentionSpec:
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> PagedKV:
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        # Zeros, not empty: padded reads are masked, but 0 * NaN would still be NaN.
-        kv = torch.zeros(shape, dtype=self.dtype, device=device)
+        kv = torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
         return PagedKV(kv[0], kv[1])
 
 
@@ -92,7 +93,7 @@ class MLACacheSpec:
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
         """[num_blocks, block_size, kv_lora_rank + rope_dim]."""
         shape = (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=device)  # zeros: see above
+        return torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
 
 
 def store_latent(
@@ -124,8 +125,30 @@ class KVCachePool:
         self.specs = [layer.kv_cache_spec(config.dtype) for layer in layers]
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(device)
         self.max_model_len = self._max_model_len()
+        self.layers = layers
         for layer, spec in zip(layers, self.specs):
             layer.kv_cache = spec.allocate(self.num_blocks, self.block_size, device)
+        self.num_touched_blocks = 0  # blocks [0, this) are zeroed, hence resident
+        if device.type != "cpu":  # a GPU's memory is reserved as allocated: zero it now
+            self.touch(self.num_blocks)
+
+    def touch(self, num_blocks: int) -> None:
+        """Zero blocks up to ``num_blocks`` before their first use.
+
+        On the CPU the pool is allocated but not written, so the operating system
+        backs a page with memory only once something writes it: the cache's
+        resident size grows with the blocks in use, up to the budget. The block
+        manager hands out the lowest free ids first, so the blocks ever used are a
+        prefix of the pool. Zeros, not garbage: padded reads are masked, but a
+        masked 0 times a NaN left in memory would still be NaN."""
+        if num_blocks <= self.num_touched_blocks:
+            return
+        lo, hi = self.num_touched_blocks, min(num_blocks, self.num_blocks)
+        for layer in self.layers:
+            cache = layer.kv_cache
+            for t in (cache.k, cache.v) if isinstance(cache, PagedKV) else (cache,):
+                t[lo:hi].zero_()
+        self.num_touched_blocks = hi
 
     def kv_cache_config(self) -> KVCacheConfig:
         return KVCacheConfig(self.num_blocks, self.block_size, self.max_model_len)

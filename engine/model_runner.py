@@ -133,6 +133,7 @@ class ModelRunner:
         width = max(len(item.block_table) for item in items)
         tables = [it.block_table + [-1] * (width - len(it.block_table)) for it in items]
         # --8<-- [end:flatten_batch]
+        self.kv_cache.touch(max(slots) // bs + 1)  # new blocks are zeroed before use
         cu_seqlens = [0]
         for n in query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)

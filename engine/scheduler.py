@@ -78,6 +78,7 @@ class Scheduler:
                 continue
             if not self._reserve(seq, n, out):
                 break  # seq was the newest left, and preempted itself
+            self._publish(seq, n)
             out.scheduled.append(self._scheduled(seq, n))
             budget -= n
             i += 1
@@ -112,6 +113,7 @@ class Scheduler:
             return None
         bm.take_cached(seq, hits)
         bm.allocate(seq, num_cached + n)  # cannot fail: can_admit checked it
+        self._publish(seq, n)
         self.stats.prefix_cache_hit_tokens += num_cached
         if seq.num_preemptions == 0:  # its first admission: new to the model runner
             seq.num_cached_prompt_tokens = num_cached
@@ -120,6 +122,16 @@ class Scheduler:
         insort(self.running, seq, key=lambda s: s.seq_id)
         self._record(seq, EngineCoreEventType.SCHEDULED, num_cached)
         return self._scheduled(seq, n)
+
+    def _publish(self, seq: Sequence, n: int) -> None:
+        """Offer the prompt blocks this step will fill to the prefix cache now, not
+        after the step: a prompt admitted later in this same step then shares them
+        instead of computing the same prefix again. It may read them in the same
+        forward pass because every layer stores the whole batch's keys and values
+        before any attention reads the cache. Only prompt tokens: a generated
+        token may still be a placeholder (async_scheduler.py)."""
+        end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
+        self.block_manager.cache_full_blocks(seq, end)
 
     @staticmethod
     def _scheduled(seq: Sequence, n: int) -> ScheduledRequest:

@@ -139,7 +139,7 @@ def test_parameter_counts(hf_model, records) -> None:
 
 def test_engine_greedy_matches_transformers(hf_model) -> None:
     name, model = hf_model
-    llm = LLM(MODELS / name, num_kv_blocks=64, max_num_seqs=8)
+    llm = LLM(MODELS / name, dtype="float32", num_kv_blocks=64, max_num_seqs=8)
     outputs = llm.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
     )
@@ -201,7 +201,7 @@ def test_moe_mtp_module_matches_its_float64_reference() -> None:
     from tests.engine.test_mtp import run, step_meta
 
     folder = MODELS / MOE
-    llm = LLM(folder, block_size=16, num_kv_blocks=8)
+    llm = LLM(folder, dtype="float32", block_size=16, num_kv_blocks=8)
     runner, tok = llm.llm_engine.executor.model_runner, llm.tokenizer
     model = runner.model
     ids = torch.tensor(tok.encode("def schedule(self) -> SchedulerOutput:\n    budget =").ids)

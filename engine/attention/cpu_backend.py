@@ -9,7 +9,7 @@ block table. Prompt chunks still run through the torch backend's code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -20,11 +20,13 @@ from engine.kv_cache import PagedKV
 
 @dataclass
 class CpuAttentionMetadata(TorchAttentionMetadata):
-    """The torch backend's metadata (its decode groups serve any layer that
-    still attends through torch), plus the decodes' tables for the operator."""
+    """The torch backend's prompt chunks, plus the decodes' tables for the
+    operator. The torch decode groups are built only if a layer asks for them
+    (MLA's decode still attends through torch): a dense model never does."""
 
     decode_tables: torch.Tensor  # [decodes, max_blocks] int32, padded with -1
     decode_lens: torch.Tensor  # [decodes] int32: tokens each decode attends over
+    meta: AttentionMetadata  # what the decode groups are built from, when needed
 
 
 class CpuBackend(TorchBackend):
@@ -34,14 +36,18 @@ class CpuBackend(TorchBackend):
         d = meta.num_decodes
         tables = meta.block_tables[:d].to(torch.int32).contiguous()
         lens = meta.context_lens[:d].to(torch.int32).contiguous()
-        common = super().build_metadata(meta)
-        return CpuAttentionMetadata(common.decode_groups, common.prefill_chunks, tables, lens)
+        return CpuAttentionMetadata([], self.prefill_chunks(meta), tables, lens, meta)
+
+    def mla_decode(self, q, cache, rank: int, attn_metadata: CpuAttentionMetadata, scale):
+        """MLA decodes through the torch path, whose groups the first layer builds."""
+        if not attn_metadata.decode_groups and attn_metadata.meta.num_decodes:
+            attn_metadata.decode_groups = self.decode_groups(attn_metadata.meta)
+        return super().mla_decode(q, cache, rank, attn_metadata, scale)
 
     # --8<-- [start:cpu_decode]
     def forward(self, q, k, v, cache: PagedKV, attn_metadata: CpuAttentionMetadata, scale):
         d = attn_metadata.decode_lens.shape[0]
-        prompts_only = replace(attn_metadata, decode_groups=[])
-        out = super().forward(q, k, v, cache, prompts_only, scale)  # the prompt chunks
+        out = super().forward(q, k, v, cache, attn_metadata, scale)  # the prompt chunks
         if d:  # one query per decode, at the start of the batch
             tables, lens = attn_metadata.decode_tables, attn_metadata.decode_lens
             out[:d] = torch.ops.deepinfer.paged_decode_attention(

@@ -82,6 +82,9 @@ class TorchBackend:
     def build_metadata(self, meta: AttentionMetadata) -> TorchAttentionMetadata:
         """Work shared by every layer, done once per step: which blocks to read,
         and which of the positions read are real (and causal)."""
+        return TorchAttentionMetadata(self.decode_groups(meta), self.prefill_chunks(meta))
+
+    def decode_groups(self, meta: AttentionMetadata) -> list[DecodeGroup]:
         d, block_size = meta.num_decodes, self.block_size
         tables = meta.block_tables.clamp(min=0).long()  # -1 padding reads block 0, masked
         # --8<-- [start:decode_groups]
@@ -98,6 +101,11 @@ class TorchBackend:
             valid = pos < meta.context_lens[idx, None]
             groups.append(DecodeGroup(idx, tables[idx, :blocks], valid[:, None, None, :]))
         # --8<-- [end:decode_groups]
+        return groups
+
+    def prefill_chunks(self, meta: AttentionMetadata) -> list[PrefillChunk]:
+        d, block_size = meta.num_decodes, self.block_size
+        tables = meta.block_tables.clamp(min=0).long()
         chunks = []
         starts = list(accumulate(meta.query_lens_cpu, initial=0))  # on the host: no GPU wait
         for i in range(d, len(meta.query_lens_cpu)):
@@ -109,7 +117,7 @@ class TorchBackend:
             q_pos = torch.arange(ctx - n, ctx, device=tables.device)  # query j sits at ctx-n+j
             mask = torch.arange(ctx, device=tables.device) <= q_pos[:, None]
             chunks.append(PrefillChunk(starts[i], n, tables[i : i + 1, :blocks], mask))
-        return TorchAttentionMetadata(groups, chunks)
+        return chunks
 
     def store_kvcache(self, k, v, cache: PagedKV, slot_mapping) -> None:
         store_kvcache(k, v, cache, slot_mapping)

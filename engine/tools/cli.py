@@ -31,7 +31,7 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -54,6 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         model=args.model,
         device=args.device,
+        dtype=args.dtype,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,
@@ -120,7 +121,9 @@ def _bench(args: argparse.Namespace) -> int:
             args.compare_hf,
             seed=args.seed,
             kv_baselines=args.kv_baseline,
+            repeats=args.repeats,
             device=args.device,
+            dtype=args.dtype,
             max_num_seqs=max(args.num_prompts, 1),
         )
     )
@@ -139,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None)
+    gen.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 or bfloat16; default: bf16 where the CPU is fast at it",
+    )
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
 
@@ -165,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     serve.add_argument("--device", default=None)
+    serve.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 or bfloat16; default: bf16 where the CPU is fast at it",
+    )
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=256)
@@ -207,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="output tokens/s, TTFT and inter-token latency")
     bench.add_argument("--model", required=True)
     bench.add_argument("--num-prompts", type=int, default=64)
-    bench.add_argument("--input-len", default="64:256", help="A:B, uniform prompt lengths")
+    bench.add_argument(
+        "--input-len", default="64:256", help="A (every prompt A tokens) or A:B (uniform in A..B)"
+    )
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument(
         "--compare-hf",
@@ -226,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=1, help="with --serve: torch threads on each side"
     )
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs per side")
     bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default=None, help="both sides' dtype; default: the engine's")
     bench.add_argument(
         "--kv-baseline",
         action="append",

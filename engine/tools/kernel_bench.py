@@ -359,7 +359,7 @@ def end_to_end(
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from engine.llm import LLM
-    from engine.tools.bench import random_prompts, run_engine, run_transformers
+    from engine.tools.bench import random_prompts, run_engine, run_transformers, warm_up
 
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
@@ -368,6 +368,7 @@ def end_to_end(
         del model
         prompts = random_prompts(num_requests, *input_len, QWEN3_0_6B["vocab_size"], seed=0)
         llm = LLM(folder, max_num_seqs=num_requests, max_model_len=input_len[1] + output_len + 16)
+        warm_up(llm, random_prompts(2, *input_len, QWEN3_0_6B["vocab_size"], seed=1))
         ours = run_engine(llm, prompts, output_len)
         del llm
         torch.cuda.empty_cache()

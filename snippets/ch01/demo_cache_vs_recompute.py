@@ -44,14 +44,14 @@ def engine_facts(llm: LLM) -> dict:
 
 
 def main() -> dict:
-    cached = LLM(MODEL)
+    cached = LLM(MODEL, dtype="float32")
     facts = engine_facts(cached)
     print(f"model: {facts['model']}, {facts['model_parameters']:,} parameters")
     params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=1)
     out = cached.generate([PROMPT], params, use_tqdm=False)[0]
     prompt_ids = out.prompt_token_ids
 
-    fresh = LLM(MODEL, enable_prefix_caching=False)
+    fresh = LLM(MODEL, dtype="float32", enable_prefix_caching=False)
     one = SamplingParams(temperature=0, max_tokens=1, logprobs=1, ignore_eos=True)
 
     print(f"prompt ({len(prompt_ids)} tokens):")

@@ -42,7 +42,7 @@ def free_blocks(engine: LLMEngine) -> int:
 
 
 def main() -> dict:
-    llm = LLM(MODEL, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+    llm = LLM(MODEL, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     for request_id, prompt in PROMPTS.items():

@@ -61,7 +61,7 @@ def run_to_completion(llm: LLM, names: list[str], params: SamplingParams) -> dic
 def main() -> dict:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     names = [f"r{i}" for i in range(len(PROMPTS))]
-    tight = LLM(MODEL, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+    tight = LLM(MODEL, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
     outputs = run_to_completion(tight, names, params)
 
     grown = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs.values())
@@ -83,7 +83,7 @@ def main() -> dict:
             results[f"{key}_cached"] = cached
             results[f"{key}_tokens"] = tokens
 
-    roomy = LLM(MODEL, block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS)
+    roomy = LLM(MODEL, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS)
     reference = run_to_completion(roomy, names, params)
     computed_tight, computed_roomy = (
         llm.stats.prefill_tokens + llm.stats.decode_tokens for llm in (tight, roomy)

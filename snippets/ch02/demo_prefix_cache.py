@@ -58,7 +58,7 @@ def main() -> dict:
     results: dict = {"block_size": BLOCK_SIZE, "questions": len(QUESTIONS)}
     answers: dict[bool, list[str]] = {}
     for caching in (True, False):
-        llm = LLM(MODEL, block_size=BLOCK_SIZE, enable_prefix_caching=caching)
+        llm = LLM(MODEL, dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=caching)
         if shared is None:
             shared = len(llm.tokenizer.encode(SYSTEM).ids)
             full = shared // BLOCK_SIZE

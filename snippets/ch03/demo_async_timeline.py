@@ -36,7 +36,7 @@ DATA = Path("snippets/plots/data/engine_timeline.json")
 
 
 def traced_run(async_scheduling: bool) -> LLM:
-    llm = LLM(MODEL, async_scheduling=async_scheduling, trace=True)
+    llm = LLM(MODEL, dtype="float32", async_scheduling=async_scheduling, trace=True)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     return llm

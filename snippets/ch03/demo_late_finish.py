@@ -48,13 +48,13 @@ def stopping_params(llm: LLM, free_run: list[list[int]]) -> list[SamplingParams]
 
 
 def main() -> dict:
-    probe = LLM(MODEL)
+    probe = LLM(MODEL, dtype="float32")
     free = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     free_run = [o.token_ids for o in probe.generate(PROMPTS, free, use_tqdm=False)]
     params = stopping_params(probe, free_run)
     runs = {}
     for name, on in (("off", False), ("on", True)):
-        llm = LLM(MODEL, async_scheduling=on)
+        llm = LLM(MODEL, dtype="float32", async_scheduling=on)
         runs[name] = llm, llm.generate(PROMPTS, params, use_tqdm=False)
     (off_llm, off), (on_llm, on) = runs["off"], runs["on"]
     same = [(o.token_ids, o.text) for o in on] == [(o.token_ids, o.text) for o in off]

@@ -19,7 +19,7 @@ REGEX = r"(prefill|decode) [0-9]{1,3} tokens"
 
 
 def main() -> dict:
-    engine = LLM(MODEL, num_kv_blocks=64).llm_engine
+    engine = LLM(MODEL, dtype="float32", num_kv_blocks=64).llm_engine
     greedy = SamplingParams(temperature=0, max_tokens=8)
     engine.add_request("a", "The block manager", greedy)
     engine.add_request("b", "def step(self):", greedy)

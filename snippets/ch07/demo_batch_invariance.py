@@ -29,7 +29,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def target_logits(invariant: bool, ahead: int, **kwargs) -> list[torch.Tensor]:
     llm = LLM(
-        MODEL, batch_invariant=invariant, num_kv_blocks=128, attention_backend="torch", **kwargs
+        MODEL,
+        dtype="float32",
+        batch_invariant=invariant,
+        num_kv_blocks=128,
+        attention_backend="torch",
+        **kwargs,
     )
     engine, runner, seen = llm.llm_engine, llm.llm_engine.executor.model_runner, []
     forward = runner.forward
@@ -54,6 +59,7 @@ def distinct_completions(invariant: bool) -> int:
     """REPEATS copies of the target among other requests: how many answers?"""
     llm = LLM(
         MODEL,
+        dtype="float32",
         batch_invariant=invariant,
         enable_prefix_caching=False,
         max_num_seqs=16,

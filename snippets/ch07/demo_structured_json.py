@@ -57,7 +57,7 @@ def allowed_per_step(llm: LLM, spec: StructuredOutputsParams, tokens: list[int])
 
 
 def main() -> dict:
-    llm = LLM(MODEL, num_kv_blocks=64)
+    llm = LLM(MODEL, dtype="float32", num_kv_blocks=64)
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 
     def run(structured: StructuredOutputsParams | None) -> list:

@@ -37,7 +37,7 @@ def post(url: str, path: str, body: dict) -> str:
 
 
 def main() -> dict:
-    with launched("serve", MODEL) as url:
+    with launched("serve", MODEL, "--dtype", "float32") as url:
         whole = json.loads(post(url, COMPLETIONS, COMPLETION))
         events = post(url, CHAT_COMPLETIONS, CHAT).split("\n\n")
     for key in VARYING:

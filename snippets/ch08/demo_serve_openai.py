@@ -35,7 +35,7 @@ def rows(pieces) -> list[str]:
 
 
 def main() -> dict:
-    with launched("serve", MODEL) as url:
+    with launched("serve", MODEL, "--dtype", "float32") as url:
         client = OpenAI(base_url=url + "/v1", api_key="none")  # no --api-key: any will do
         chat = client.chat.completions.create(
             model=NAME, messages=MESSAGES, max_completion_tokens=8, temperature=0

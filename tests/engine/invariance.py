@@ -43,7 +43,7 @@ def others(n: int, seed: int, max_tokens: int = 6) -> list[tuple[list[int], Samp
 def run(path, before=(), after=(), first=(), target=TARGET, **kwargs) -> list[torch.Tensor]:
     """The target's logits with ``before`` queued ahead of it and ``after``
     behind it; ``first`` runs to completion beforehand (to fill the prefix cache)."""
-    llm = LLM(path, **{"num_kv_blocks": 96, **kwargs})
+    llm = LLM(path, dtype="float32", **{"num_kv_blocks": 96, **kwargs})
     engine = llm.llm_engine
     for i, (prompt, params) in enumerate(first):
         engine.add_request(f"first{i}", prompt, params)

@@ -26,7 +26,7 @@ def reference(qwen3) -> list[list[int]]:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
 def test_greedy_tokens_match_transformers(qwen3, reference, config) -> None:
-    llm = LLM(qwen3[0], async_scheduling=True, **CONFIGS[config])
+    llm = LLM(qwen3[0], dtype="float32", async_scheduling=True, **CONFIGS[config])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outputs, reference)):
@@ -46,7 +46,7 @@ def test_greedy_tokens_match_transformers(qwen3, reference, config) -> None:
 
 
 def run(path, async_scheduling: bool, prompts, params, **kwargs) -> tuple[list, LLM]:
-    llm = LLM(path, async_scheduling=async_scheduling, **kwargs)
+    llm = LLM(path, dtype="float32", async_scheduling=async_scheduling, **kwargs)
     return llm.generate(prompts, params, use_tqdm=False), llm
 
 
@@ -76,7 +76,7 @@ def test_late_finishes_discard_one_token_each_and_free_their_blocks(qwen3) -> No
     free_run = [o.token_ids for o in run(qwen3[0], False, prompts, greedy(16))[0]]
     # Each request stops on the token it generates fourth, as a stop token or
     # (for odd ones) as the text of that token, a stop string.
-    llm = LLM(qwen3[0])
+    llm = LLM(qwen3[0], dtype="float32")
     params = []
     for i, tokens in enumerate(free_run):
         if i % 2:
@@ -115,7 +115,7 @@ def test_the_next_step_is_built_while_the_forward_runs(qwen3) -> None:
     next step needed this step's tokens on the host, would wait forever (here:
     time out); this one finishes, with the same tokens. The last forward has no
     next step to wait for: the engine finds nothing more to schedule."""
-    llm = LLM(qwen3[0], async_scheduling=True)
+    llm = LLM(qwen3[0], dtype="float32", async_scheduling=True)
     engine = llm.llm_engine
     scheduler, runner = engine.scheduler, engine.executor.model_runner
     calls = {"prepared": 0, "forward": 0, "ended": False}
@@ -164,7 +164,7 @@ def test_the_trace_records_every_stage_of_every_step(qwen3, tmp_path) -> None:
     prompts = random_prompts(4, seed=65)
     path = tmp_path / "trace.json"
     for async_scheduling in (False, True):
-        llm = LLM(qwen3[0], async_scheduling=async_scheduling, trace=str(path))
+        llm = LLM(qwen3[0], dtype="float32", async_scheduling=async_scheduling, trace=str(path))
         llm.generate(prompts, greedy(5), use_tqdm=False)
         spans = llm.llm_engine.trace.spans
         steps = llm.stats.steps
@@ -196,7 +196,7 @@ def test_a_request_that_needs_its_token_on_the_host_makes_the_engine_wait(
         greedy(8, seed=1, ignore_eos=True),
         greedy(12, ignore_eos=True),
     ]
-    llm = LLM(qwen3[0], async_scheduling=True, trace=True)
+    llm = LLM(qwen3[0], dtype="float32", async_scheduling=True, trace=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     reference, _ = run(qwen3[0], False, prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
@@ -211,7 +211,7 @@ def test_a_request_that_needs_its_token_on_the_host_makes_the_engine_wait(
 
 def test_an_abort_while_a_step_is_in_flight_loses_nothing_else(qwen3) -> None:
     prompts = random_prompts(3, seed=67)
-    llm = LLM(qwen3[0], async_scheduling=True, num_kv_blocks=64)
+    llm = LLM(qwen3[0], dtype="float32", async_scheduling=True, num_kv_blocks=64)
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(8, ignore_eos=True))
@@ -234,7 +234,7 @@ def test_a_reply_is_published_for_the_next_turn_as_without_overlap(qwen3) -> Non
     first = random_prompts(1, seed=69, low=10, high=11)[0]
     found = []
     for async_scheduling in (False, True):
-        llm = LLM(qwen3[0], async_scheduling=async_scheduling, block_size=4)
+        llm = LLM(qwen3[0], dtype="float32", async_scheduling=async_scheduling, block_size=4)
         reply = llm.generate(first, greedy(14, ignore_eos=True), use_tqdm=False)[0]
         second = first + reply.token_ids + [5, 6, 7]
         found.append(llm.generate(second, greedy(2), use_tqdm=False)[0].num_cached_tokens)

@@ -50,7 +50,7 @@ def test_the_backend_runs_the_norms_and_rope(qwen3, monkeypatch) -> None:
             return _real(*args)
 
         monkeypatch.setattr(TorchBackend, name, staticmethod(spy))
-    llm = LLM(qwen3[0])
+    llm = LLM(qwen3[0], dtype="float32")
     llm.generate(random_prompts(1, seed=3), SamplingParams(max_tokens=2), use_tqdm=False)
     # Two steps of two layers: q, k, two layer norms each, and the final norm; RoPE once a layer.
     assert calls == {"rms_norm": 2 * (2 * 4 + 1), "rotary_embedding": 2 * 2}

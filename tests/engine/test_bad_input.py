@@ -14,7 +14,7 @@ from tests.engine.conftest import random_prompts
 
 def test_missing_model_dir(tmp_path) -> None:
     with pytest.raises(ValueError, match="is not a directory"):
-        LLM(tmp_path / "nope")
+        LLM(tmp_path / "nope", dtype="float32")
 
 
 def test_unsupported_architecture_lists_the_supported_ones(qwen3, tmp_path) -> None:
@@ -25,7 +25,7 @@ def test_unsupported_architecture_lists_the_supported_ones(qwen3, tmp_path) -> N
     with pytest.raises(
         ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
     ):
-        LLM(tmp_path / "m")
+        LLM(tmp_path / "m", dtype="float32")
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_bad_sampling_params(kwargs, message) -> None:
 
 
 def test_bad_prompts_fail_alone_and_the_engine_keeps_serving(qwen3) -> None:
-    llm = LLM(qwen3[0], max_model_len=128)
+    llm = LLM(qwen3[0], dtype="float32", max_model_len=128)
     engine = llm.llm_engine
     good = random_prompts(3, seed=31)
     for i, prompt in enumerate(good[:2]):
@@ -78,12 +78,12 @@ def test_bad_prompts_fail_alone_and_the_engine_keeps_serving(qwen3) -> None:
 
 def test_max_model_len_beyond_the_cache_is_refused(qwen3) -> None:
     with pytest.raises(ValueError, match="does not fit in the KV cache"):
-        LLM(qwen3[0], num_kv_blocks=4, block_size=16, max_model_len=100)
+        LLM(qwen3[0], dtype="float32", num_kv_blocks=4, block_size=16, max_model_len=100)
 
 
 def test_llm_keywords_are_engine_config_fields(qwen3) -> None:
     """LLM(...) passes its keywords on to EngineConfig, whose defaults it keeps."""
-    config = LLM(qwen3[0], block_size=8, num_kv_blocks=40).llm_engine.config
+    config = LLM(qwen3[0], dtype="float32", block_size=8, num_kv_blocks=40).llm_engine.config
     assert (config.block_size, config.num_kv_blocks, config.max_num_seqs) == (8, 40, 256)
     with pytest.raises(TypeError, match="blok_size"):
-        LLM(qwen3[0], blok_size=8)
+        LLM(qwen3[0], dtype="float32", blok_size=8)

@@ -133,7 +133,13 @@ def test_a_thousand_greedy_completions_in_random_company_agree(qwen3) -> None:
             params.append(SamplingParams(temperature=0, max_tokens=rng.randint(1, 4)))
         prompts.append(target)
         params.append(greedy)
-    llm = LLM(qwen3[0], batch_invariant=True, enable_prefix_caching=False, max_num_seqs=48)
+    llm = LLM(
+        qwen3[0],
+        dtype="float32",
+        batch_invariant=True,
+        enable_prefix_caching=False,
+        max_num_seqs=48,
+    )
     outs = llm.generate(prompts, params, use_tqdm=False)
     completions = {tuple(o.token_ids) for o, p in zip(outs, prompts) if p == target}
     assert len(completions) == 1
@@ -162,7 +168,7 @@ def test_seeded_samples_are_identical_alone_in_a_crowd_preempted_and_chunked(qwe
         ("preempted", dict(num_kv_blocks=10, block_size=8), True),
         ("chunked", dict(max_num_batched_tokens=7), True),
     ]:
-        llm = LLM(qwen3[0], batch_invariant=True, **kwargs)
+        llm = LLM(qwen3[0], dtype="float32", batch_invariant=True, **kwargs)
         prompts = (crowd + [target]) if company else [target]
         params = (theirs + [mine]) if company else [mine]
         out = llm.generate(prompts, params, use_tqdm=False)[-1]
@@ -178,6 +184,8 @@ def test_the_mode_picks_a_backend_that_keeps_it() -> None:
     'cpu' backend, which attends prompt chunks by the batch, is refused."""
     from engine.config import EngineConfig
 
-    assert EngineConfig(str(TINY), batch_invariant=True).attention_backend == "torch"
+    assert (
+        EngineConfig(str(TINY), dtype="float32", batch_invariant=True).attention_backend == "torch"
+    )
     with pytest.raises(ValueError, match="batch_invariant=True needs attention_backend"):
-        EngineConfig(str(TINY), batch_invariant=True, attention_backend="cpu")
+        EngineConfig(str(TINY), dtype="float32", batch_invariant=True, attention_backend="cpu")

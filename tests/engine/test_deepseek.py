@@ -36,7 +36,7 @@ def test_absorbed_decode_equals_expanded_attention(deepseek) -> None:
     """The same query over the same cached latents, once as a decode (absorbed: W_UK
     in the query, W_UV on the output, the latents read as one KV head) and once as a
     one-token prompt chunk (expanded into per-head keys and values)."""
-    llm = LLM(deepseek[0], block_size=16, num_kv_blocks=8)
+    llm = LLM(deepseek[0], dtype="float32", block_size=16, num_kv_blocks=8)
     runner = llm.llm_engine.executor.model_runner
     attn = runner.model.model.layers[1].self_attn
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def test_absorbed_decode_equals_expanded_attention(deepseek) -> None:
 
 
 def test_expert_token_counts_reach_the_stats(deepseek) -> None:
-    llm = LLM(deepseek[0])
+    llm = LLM(deepseek[0], dtype="float32")
     prompts = random_prompts(3, seed=21)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     counts = llm.stats.expert_tokens  # [MoE layer, expert]: layer 1, then the MTP module's
@@ -78,7 +78,7 @@ def test_unsupported_variant_is_named_at_load(deepseek, tmp_path, field, value) 
     config[field] = value
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"unsupported {field} {value!r} in config.json"):
-        LLM(tmp_path / "m")
+        LLM(tmp_path / "m", dtype="float32")
 
 
 def test_mtp_copy_of_the_embedding_must_equal_the_main_one(deepseek, tmp_path) -> None:
@@ -88,7 +88,7 @@ def test_mtp_copy_of_the_embedding_must_equal_the_main_one(deepseek, tmp_path) -
     weights["model.layers.2.embed_tokens.weight"][3] += 1
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.layers\.2\.embed_tokens\.weight differs"):
-        LLM(folder)
+        LLM(folder, dtype="float32")
 
 
 def test_bench_reports_the_cache_pool_bytes_per_token(deepseek, qwen3) -> None:
@@ -98,7 +98,7 @@ def test_bench_reports_the_cache_pool_bytes_per_token(deepseek, qwen3) -> None:
     from engine.tools.bench import kv_cache_lines
 
     cfg = json.loads((deepseek[0] / "config.json").read_text())
-    lines = kv_cache_lines(LLM(deepseek[0], num_kv_blocks=4), [str(qwen3[0])])
+    lines = kv_cache_lines(LLM(deepseek[0], dtype="float32", num_kv_blocks=4), [str(qwen3[0])])
     latent = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # float32 on the CPU
     dense = 2 * cfg["hidden_size"] * 4
     qwen = json.loads((qwen3[0] / "config.json").read_text())

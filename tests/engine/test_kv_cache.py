@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kv_cache import FullAttentionSpec, KVCachePool, PagedKV, store_kvcache
 from engine.utils import cdiv
@@ -44,7 +44,7 @@ class Layer:
 def test_the_pool_sizes_and_allocates_any_layer_format(qwen3) -> None:
     full = FullAttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32)
     layers = [Layer(full), Layer(LatentSpec(width=12))]
-    config = EngineConfig(str(qwen3[0]), num_kv_blocks=10, block_size=4)
+    config = EngineConfig(str(qwen3[0]), dtype="float32", num_kv_blocks=10, block_size=4)
     pool = KVCachePool(config, layers, torch.device("cpu"))
     assert pool.block_bytes() == full.block_bytes(4) + 4 * 12 * 2
     assert isinstance(layers[0].kv_cache, PagedKV)
@@ -54,7 +54,7 @@ def test_the_pool_sizes_and_allocates_any_layer_format(qwen3) -> None:
 
 
 def test_unsized_pool_fills_what_max_num_seqs_can_use(qwen3) -> None:
-    llm = LLM(qwen3[0], max_num_seqs=3, block_size=16)
+    llm = LLM(qwen3[0], dtype="float32", max_num_seqs=3, block_size=16)
     pool = llm.llm_engine.executor.model_runner.kv_cache
     assert pool.num_blocks == 3 * cdiv(512, 16)  # RAM is not the limit for this tiny model
     assert pool.max_model_len == 512
@@ -63,6 +63,7 @@ def test_unsized_pool_fills_what_max_num_seqs_can_use(qwen3) -> None:
 def test_store_kvcache_writes_each_token_at_its_slot() -> None:
     spec = FullAttentionSpec(num_kv_heads=2, head_dim=4, dtype=torch.float32)
     cache = spec.allocate(num_blocks=3, block_size=4, device=torch.device("cpu"))
+    cache.k.zero_(), cache.v.zero_()  # allocate leaves zeroing to the pool (touch)
     k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
     store_kvcache(k, v, cache, torch.tensor([9, 0, 5]))
     assert torch.equal(cache.k[2, 1], k[0]) and torch.equal(cache.v[2, 1], v[0])
@@ -72,4 +73,26 @@ def test_store_kvcache_writes_each_token_at_its_slot() -> None:
 
 def test_max_model_len_past_the_checkpoint_is_refused(qwen3) -> None:
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
-        LLM(qwen3[0], max_model_len=1000)
+        LLM(qwen3[0], dtype="float32", max_model_len=1000)
+
+
+def test_cpu_pool_zeroes_blocks_as_they_are_first_used(qwen3) -> None:
+    """On the CPU the pool is allocated, not written: blocks are zeroed (and so
+    become resident) as the block manager first hands them out. Whatever the
+    memory held before does not reach the outputs: here it is NaN, which a
+    padded, masked read of an unzeroed block would spread (the torch backend
+    pads decode groups to their longest context)."""
+    prompts = [[5 + i] * (3 + 11 * i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kwargs = dict(dtype="float32", attention_backend="torch", block_size=4, num_kv_blocks=200)
+    reference = LLM(qwen3[0], **kwargs)
+    pool = reference.llm_engine.executor.model_runner.kv_cache
+    assert pool.num_touched_blocks == 0  # nothing written at start-up
+    expected = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    used = sum(cdiv(len(p) + 5, 4) for p in prompts)  # the last token is never stored
+    assert pool.num_touched_blocks == used < pool.num_blocks  # only what was used
+
+    dirty = LLM(qwen3[0], **kwargs)
+    for layer in dirty.llm_engine.executor.model_runner.model.attention_layers():
+        layer.kv_cache.k.fill_(float("nan")), layer.kv_cache.v.fill_(float("nan"))
+    assert [o.token_ids for o in dirty.generate(prompts, params, use_tqdm=False)] == expected

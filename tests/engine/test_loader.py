@@ -18,7 +18,7 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path) -> None:
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # really sharded
     prompt = random_prompts(1, seed=61)[0]
-    out = LLM(tmp_path).generate(
+    out = LLM(tmp_path, dtype="float32").generate(
         [prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )
     assert out[0].token_ids == hf_greedy(model, prompt, 8)
@@ -33,18 +33,18 @@ def test_missing_weight_is_named(qwen3, tmp_path) -> None:
     with pytest.raises(
         ValueError, match=r"lacks weights for: model\.layers\.1\.mlp\.gate_up_proj\.weight"
     ):
-        LLM(folder)
+        LLM(folder, dtype="float32")
 
 
 def test_folder_without_weights_or_config(qwen3, tmp_path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no config.json"):
-        LLM(tmp_path / "empty")
+        LLM(tmp_path / "empty", dtype="float32")
     folder = tmp_path / "noweights"
     shutil.copytree(qwen3[0], folder)
     (folder / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"no \*\.safetensors weights"):
-        LLM(folder)
+        LLM(folder, dtype="float32")
 
 
 def test_token_ids_work_without_a_tokenizer(qwen3, tmp_path) -> None:
@@ -52,7 +52,7 @@ def test_token_ids_work_without_a_tokenizer(qwen3, tmp_path) -> None:
     folder = tmp_path / "m"
     shutil.copytree(qwen3[0], folder)
     (folder / "tokenizer.json").unlink()
-    llm = LLM(folder)
+    llm = LLM(folder, dtype="float32")
     prompt = random_prompts(1, seed=62)[0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=["never"])
     out = llm.generate([prompt], params, use_tqdm=False)[0]

@@ -10,7 +10,7 @@ from tests.engine.conftest import random_prompts
 
 def test_first_token_logits_match_transformers(checkpoint) -> None:
     arch, path, model = checkpoint
-    llm = LLM(path)
+    llm = LLM(path, dtype="float32")
     engine = llm.llm_engine
     prompts = random_prompts(4, seed=11)
     for i, prompt in enumerate(prompts):

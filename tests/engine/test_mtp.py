@@ -29,7 +29,9 @@ def step_meta(positions: list[int], context: int, decode: bool) -> AttentionMeta
 
 
 def run(runner, meta: AttentionMetadata, fn):
-    """fn() as the model runner runs a forward pass: under the step's context."""
+    """fn() as the model runner runs a forward pass: under the step's context, with
+    the blocks the step writes zeroed first (the pool zeroes blocks on first use)."""
+    runner.kv_cache.touch(int(meta.slot_mapping.max()) // runner.block_size + 1)
     attn_metadata = runner.backend.build_metadata(meta)
     with torch.no_grad(), forward_context(meta, attn_metadata, runner.backend):
         return fn()
@@ -39,7 +41,7 @@ def test_mtp_matches_float64_reference(tmp_path) -> None:
     hf = build_checkpoint("deepseek", tmp_path)
     cfg = hf.config
     cfg.rope_theta = cfg.rope_parameters["rope_theta"]
-    llm = LLM(tmp_path, block_size=16, num_kv_blocks=8)
+    llm = LLM(tmp_path, dtype="float32", block_size=16, num_kv_blocks=8)
     runner = llm.llm_engine.executor.model_runner
     model = runner.model
     assert len(model.model.mtp) == cfg.num_nextn_predict_layers == 1

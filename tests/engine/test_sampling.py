@@ -18,7 +18,7 @@ PROMPTS = random_prompts(8, seed=21)
 
 @pytest.fixture(scope="module")
 def llm(qwen3) -> LLM:
-    return LLM(qwen3[0])
+    return LLM(qwen3[0], dtype="float32")
 
 
 def seeded(seed: int, **kw) -> SamplingParams:
@@ -34,7 +34,7 @@ def test_same_seed_same_tokens_whatever_the_batch(llm, qwen3) -> None:
     mixed = llm.generate(batch, others + [seeded(1234)], use_tqdm=False)[-1].token_ids
     assert mixed == alone
     # Under memory pressure, with preemption and recompute.
-    tight = LLM(qwen3[0], num_kv_blocks=8)
+    tight = LLM(qwen3[0], dtype="float32", num_kv_blocks=8)
     squeezed = tight.generate(batch, others + [seeded(1234)], use_tqdm=False)[-1].token_ids
     assert tight.stats.preemptions > 0
     assert squeezed == alone
@@ -47,9 +47,9 @@ def test_different_seeds_differ_and_sampling_is_not_greedy(llm) -> None:
 
 def test_unseeded_requests_are_reproducible_from_the_engine_seed(qwen3) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
-    a = LLM(qwen3[0], seed=5).generate(PROMPTS[:4], params, use_tqdm=False)
-    b = LLM(qwen3[0], seed=5).generate(PROMPTS[:4], params, use_tqdm=False)
-    c = LLM(qwen3[0], seed=6).generate(PROMPTS[:4], params, use_tqdm=False)
+    a = LLM(qwen3[0], dtype="float32", seed=5).generate(PROMPTS[:4], params, use_tqdm=False)
+    b = LLM(qwen3[0], dtype="float32", seed=5).generate(PROMPTS[:4], params, use_tqdm=False)
+    c = LLM(qwen3[0], dtype="float32", seed=6).generate(PROMPTS[:4], params, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 

@@ -112,3 +112,47 @@ def test_events_record_what_the_scheduler_did_in_order() -> None:
         kinds = [e.type for e in reported[name]]
         assert kinds[:3] == [E.QUEUED, E.SCHEDULED, E.PREEMPTED] and E.SCHEDULED in kinds[3:]
     assert all(s.events == [] for s in seqs)
+
+
+def test_prompts_admitted_together_share_their_common_prefix() -> None:
+    """Three prompts with the same 10-token prefix arrive together: the first
+    computes its two full prefix blocks, the others share them in the same step
+    (every layer stores the batch's keys before any attention reads them)."""
+    sched = make(num_blocks=64, budget=64, block_size=4)
+    prefix = list(range(10, 20))
+    seqs = [Sequence(f"p{i}", prefix + [i, i], SamplingParams()) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    assert run_step(sched) == [("p0", 12), ("p1", 4), ("p2", 4)]
+    assert seqs[1].block_table[:2] == seqs[2].block_table[:2] == seqs[0].block_table[:2]
+    assert sched.stats.prefix_cache_hit_tokens == 2 * 8
+
+
+def test_a_chunk_publishes_only_the_blocks_it_fills() -> None:
+    """A prompt split by the token budget offers, when scheduled, the blocks its
+    chunk fills: 14 of 24 tokens fill 3 blocks of 4, not the 4th."""
+    sched = make(num_blocks=64, budget=14, block_size=4)
+    seq = Sequence("a", list(range(30, 54)), SamplingParams())
+    sched.add(seq)
+    sched.schedule()
+    assert len(seq.block_hashes) == 3
+    assert len(sched.block_manager.cached_blocks) == 3
+
+
+def test_async_scheduling_never_publishes_a_placeholder() -> None:
+    """With one-step-ahead scheduling the token a decode feeds in may still be a
+    placeholder when its step is scheduled: only prompt blocks are published
+    then; the block it completes is published once the real token is in place."""
+    from engine.async_scheduler import AsyncScheduler
+
+    sched = AsyncScheduler(8, 64, BlockManager(64, 4), EngineStats())
+    seq = Sequence("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=8))
+    sched.add(seq)
+    first = sched.schedule()  # the 7-token prompt: one full block
+    second = sched.schedule()  # the placeholder at position 7 fills block 2
+    assert len(seq.block_hashes) == 1
+    for out, token in ((first, 12), (second, 13)):
+        sampled = [item.req_id for item in out.scheduled if item.samples]
+        sched.update_from_output(out, ModelRunnerOutput(sampled, torch.full((1,), token)))
+    assert seq.token_ids[7] == 12 and len(seq.block_hashes) == 2
+    assert sched.block_manager.blocks[seq.block_table[1]].token_ids == (9, 10, 11, 12)

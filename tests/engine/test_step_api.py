@@ -8,7 +8,7 @@ from tests.engine.conftest import random_prompts
 
 
 def test_step_outputs_are_incremental_and_finish(qwen3) -> None:
-    engine = LLM(qwen3[0]).llm_engine
+    engine = LLM(qwen3[0], dtype="float32").llm_engine
     prompts = random_prompts(3, seed=51)
     for i, p in enumerate(prompts):
         engine.add_request(
@@ -30,7 +30,7 @@ def test_step_outputs_are_incremental_and_finish(qwen3) -> None:
 
 
 def test_abort_frees_blocks_and_others_continue(qwen3) -> None:
-    llm = LLM(qwen3[0], num_kv_blocks=64, enable_prefix_caching=False)
+    llm = LLM(qwen3[0], dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.llm_engine
     for i, p in enumerate(random_prompts(3, seed=52)):
         engine.add_request(
@@ -54,7 +54,7 @@ def test_a_dropped_engine_is_freed_at_once(qwen3) -> None:
     so it must hold no reference cycles: dropping it frees it, model and cache."""
     import weakref
 
-    llm = LLM(qwen3[0])
+    llm = LLM(qwen3[0], dtype="float32")
     llm.generate(random_prompts(2, seed=53), SamplingParams(max_tokens=3), use_tqdm=False)
     runner = llm.llm_engine.executor.model_runner
     refs = [weakref.ref(o) for o in (llm.llm_engine, runner.model, runner.kv_cache)]

@@ -83,7 +83,7 @@ def test_a_request_is_new_to_the_runner_once_even_after_preemption() -> None:
 
 def test_the_output_processor_on_plain_outputs(qwen3) -> None:
     """No engine core at all: outputs typed in by hand, as a front end gets them."""
-    tok = LLM(qwen3[0]).tokenizer
+    tok = LLM(qwen3[0], dtype="float32").tokenizer
     ids = tok.encode("The block manager frees blocks").ids
     proc = OutputProcessor(tok)
     proc.add_request("a", "x", [1, 2], SamplingParams(stop=["frees"], logprobs=1))
@@ -105,7 +105,7 @@ def test_the_output_processor_on_plain_outputs(qwen3) -> None:
 
 
 def test_request_outputs_report_prefix_cache_hits(qwen3) -> None:
-    llm = LLM(qwen3[0], block_size=4)
+    llm = LLM(qwen3[0], dtype="float32", block_size=4)
     prefix = random_prompts(1, seed=5, low=21, high=22)[0]
     params = SamplingParams(temperature=0, max_tokens=2)
     first = llm.generate([prefix + [7, 8]], params, use_tqdm=False)[0]

@@ -12,7 +12,7 @@ from tests.engine.conftest import EOS, random_prompts
 
 @pytest.fixture(scope="module")
 def llm(qwen3) -> LLM:
-    return LLM(qwen3[0])
+    return LLM(qwen3[0], dtype="float32")
 
 
 def greedy(**kw) -> SamplingParams:
@@ -109,6 +109,6 @@ def test_eos_stops_unless_ignored(llm) -> None:
 
 
 def test_max_model_len_ends_with_length(qwen3) -> None:
-    llm = LLM(qwen3[0], max_model_len=20)
+    llm = LLM(qwen3[0], dtype="float32", max_model_len=20)
     out = llm.generate([[5] * 15], greedy(max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5

@@ -60,7 +60,7 @@ def sampled(llm: LLM, n: int, structured: StructuredOutputsParams | None, most=4
 @pytest.fixture(scope="module")
 def tight() -> LLM:
     """A cache too small for the batch: requests are preempted and resumed."""
-    return LLM(TINY, num_kv_blocks=64, block_size=8, max_num_seqs=100)
+    return LLM(TINY, dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=100)
 
 
 def test_json_samples_validate_under_preemption(tight) -> None:
@@ -89,8 +89,10 @@ def test_without_the_mask_the_same_seeds_give_invalid_json(tight) -> None:
 def test_seeded_structured_output_is_the_same_in_any_company() -> None:
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     one = SamplingParams(temperature=1.0, seed=7, max_tokens=64, structured_outputs=spec)
-    alone = LLM(TINY, batch_invariant=True).generate("The KV cache", one, use_tqdm=False)
-    crowd = LLM(TINY, batch_invariant=True, num_kv_blocks=16, block_size=8)
+    alone = LLM(TINY, dtype="float32", batch_invariant=True).generate(
+        "The KV cache", one, use_tqdm=False
+    )
+    crowd = LLM(TINY, dtype="float32", batch_invariant=True, num_kv_blocks=16, block_size=8)
     others = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
     outs = crowd.generate(["x = 1"] * 5 + ["The KV cache"], [others] * 5 + [one], use_tqdm=False)
     assert crowd.stats.preemptions > 0
@@ -107,7 +109,7 @@ def test_seeded_structured_output_is_the_same_in_any_company() -> None:
     ],
 )
 def test_bad_specs_fail_in_add_request_and_others_finish(spec, kind, message) -> None:
-    engine = LLM(TINY, num_kv_blocks=16).llm_engine
+    engine = LLM(TINY, dtype="float32", num_kv_blocks=16).llm_engine
     engine.add_request("good", "The KV cache", SamplingParams(temperature=0, max_tokens=4))
     with pytest.raises(
         ValueError, match=f"invalid {kind} for structured output: .*{re.escape(message)}"
@@ -134,7 +136,7 @@ def test_a_spec_compiles_once(tight) -> None:
 
 
 def test_the_mask_covers_the_model_vocabulary_not_the_tokenizer() -> None:
-    tokenizer = LLM(TINY, num_kv_blocks=4).tokenizer
+    tokenizer = LLM(TINY, dtype="float32", num_kv_blocks=4).tokenizer
     extra = tokenizer.get_vocab_size() + 40  # embedding rows past the tokenizer's ids
     manager = StructuredOutputManager(tokenizer, extra, [0])
     req = manager.request_for(StructuredOutputsParams(json_object=True))
@@ -179,7 +181,7 @@ def test_matcher_rebuilds_and_checks_drafts_without_moving(tight) -> None:
 
 def test_async_scheduling_refuses_structured_output_clearly() -> None:
     """A mask needs the previous token, which a step scheduled ahead has not got."""
-    engine = LLM(TINY, num_kv_blocks=16, async_scheduling=True).llm_engine
+    engine = LLM(TINY, dtype="float32", num_kv_blocks=16, async_scheduling=True).llm_engine
     spec = StructuredOutputsParams(regex=REGEX)
     with pytest.raises(ValueError, match="structured output needs async_scheduling=False"):
         engine.add_request("r", "The KV cache", SamplingParams(structured_outputs=spec))

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     params = SamplingParams(temperature=0, max_tokens=8)
     outputs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(path, attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=4)
+        llm = LLM(path, dtype="float32", attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=4)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.stats
         assert stats.partial_prefills > 0 and stats.prefix_cache_hit_tokens > 0, stats
@@ -59,7 +59,7 @@ LONG_SCRIPT = textwrap.dedent(
     prompts += random_prompts(1, seed=75, low=KV_SPLIT_SIZE + 40, high=KV_SPLIT_SIZE + 41)
     prompts += random_prompts(1, seed=76, low=5, high=6)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(path, attention_backend="triton")
+    llm = LLM(path, dtype="float32", attention_backend="triton")
     triton_tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -91,7 +91,7 @@ def test_triton_backend_matches_torch_backend(model, request) -> None:
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(qwen3) -> None:
-    script = "import sys; from engine import LLM; LLM(sys.argv[1], attention_backend='triton')"
+    script = "import sys; from engine import LLM; LLM(sys.argv[1], dtype='float32', attention_backend='triton')"
     proc = run(script, str(qwen3[0]), interpret=False)
     assert proc.returncode != 0
     assert "set TRITON_INTERPRET=1" in proc.stderr

@@ -84,8 +84,8 @@ def test_without_a_compiler_the_engine_says_so_once_and_uses_torch(tmp_path):
         import sys, warnings
         warnings.simplefilter("default")
         from engine import LLM
-        a = LLM(sys.argv[1])
-        b = LLM(sys.argv[1])
+        a = LLM(sys.argv[1], dtype="float32")
+        b = LLM(sys.argv[1], dtype="float32")
         print(a.llm_engine.config.attention_backend, b.llm_engine.config.attention_backend)
         """
     )
@@ -106,6 +106,27 @@ def test_without_a_compiler_the_engine_says_so_once_and_uses_torch(tmp_path):
 def test_the_cpu_default_decodes_through_the_operator():
     from engine import LLM
 
-    llm = LLM(str(ROOT / "snippets/models/deepinfer-tiny"))
+    llm = LLM(str(ROOT / "snippets/models/deepinfer-tiny"), dtype="float32")
     assert llm.llm_engine.config.attention_backend == "cpu"
     assert type(llm.llm_engine.executor.model_runner.backend).__name__ == "CpuBackend"
+
+
+def test_decode_groups_are_built_only_for_a_layer_that_reads_them():
+    """A dense model's decodes all go through the operator: the CPU backend does
+    not build the torch backend's decode groups for them. MLA's decode still
+    attends through torch, and gets them, built once per step."""
+    from engine.attention.cpu_backend import CpuBackend
+
+    lens = [5, 40, 17]
+    q, k, v, tables, ctx = poisoned_inputs(lens, 4, 4, 64, 16, torch.float32)
+    backend = CpuBackend(16)
+    attn = backend.build_metadata(decode_only_metadata(tables, lens))
+    assert attn.decode_groups == [] and attn.prefill_chunks == []
+    backend.forward(q, None, None, PagedKV(k, v), attn, 64**-0.5)
+    assert attn.decode_groups == []  # the dense path never asked
+    latents = k.nan_to_num(0.0).flatten(2)  # [blocks, block_size, 256]: one latent row per slot
+    out = backend.mla_decode(q.flatten(1)[:, None], latents, 192, attn, 0.1)
+    groups = attn.decode_groups
+    assert sum(len(g.rows) for g in groups) == len(lens) and out.shape == (3, 1, 192)
+    backend.mla_decode(q.flatten(1)[:, None], latents, 192, attn, 0.1)
+    assert attn.decode_groups is groups  # the next layer reuses them

@@ -26,7 +26,16 @@ TINY = ROOT / "snippets" / "models" / "deepinfer-tiny"
 API_KEY = "test-key-0123456789"
 # The session server: a cache small enough to keep RSS low, and a context short
 # enough that the longest request a fuzzer can make is a fraction of a second.
-SERVE_ARGS = ["--num-kv-blocks", "1024", "--max-model-len", "128", "--seed", "0"]
+SERVE_ARGS = [
+    "--num-kv-blocks",
+    "1024",
+    "--max-model-len",
+    "128",
+    "--seed",
+    "0",
+    "--dtype",
+    "float32",
+]
 START_TIMEOUT_S = 120
 # No server test may hang CI: past this, pytest-timeout fails it (setup, call and
 # teardown together), and its fixtures still stop the servers they started.

@@ -79,7 +79,7 @@ def test_concurrent_streams_match_offline_generate(server) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        llm = LLM(TINY, num_kv_blocks=blocks, max_model_len=max_len)
+        llm = LLM(TINY, dtype="float32", num_kv_blocks=blocks, max_model_len=max_len)
         offline = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs], use_tqdm=False)
     finally:
         torch.set_num_threads(threads)

@@ -112,7 +112,7 @@ def test_the_server_still_serves_after_all_that(server) -> None:
 @pytest.fixture(scope="module")
 def app_url():
     """A server in this process, so a test can hold its engine still or break it."""
-    config = EngineConfig(model=str(TINY), num_kv_blocks=256, max_model_len=128)
+    config = EngineConfig(model=str(TINY), dtype="float32", num_kv_blocks=256, max_model_len=128)
     app = build_app(ServerConfig(config, max_waiting=2))
     with in_thread(app) as url:
         yield app, url
@@ -248,7 +248,7 @@ def test_a_dead_engine_core_fails_its_requests_and_says_so() -> None:
     """If the core's thread itself fails (not a step: those it survives), the
     requests it held get a 500 instead of waiting forever, /health turns 503,
     and new requests are refused with 503."""
-    app = build_app(ServerConfig(EngineConfig(model=str(TINY), num_kv_blocks=64)))
+    app = build_app(ServerConfig(EngineConfig(model=str(TINY), dtype="float32", num_kv_blocks=64)))
 
     def broken(seq) -> None:
         raise RuntimeError("the core's queue is corrupt")

@@ -28,7 +28,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def url():
-    config = EngineConfig(model=str(TINY), num_kv_blocks=NUM_BLOCKS, max_model_len=128)
+    config = EngineConfig(
+        model=str(TINY), dtype="float32", num_kv_blocks=NUM_BLOCKS, max_model_len=128
+    )
     with in_thread(build_app(ServerConfig(config))) as url:
         yield url
 

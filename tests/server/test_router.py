@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import ARTIFACTS
 from tests.server.conftest import TINY, metric, running
 
-WORKER_ARGS = ("--num-kv-blocks", "1024")
+WORKER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "1024")
 QUESTIONS = [
     "What is a block?",
     "Who frees blocks?",
