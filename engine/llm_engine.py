@@ -196,7 +196,6 @@ class LLMEngine:
             return None
         return rank_imbalance(self.stats.expert_slot_tokens, self.placement.num_ranks)
 
-    # --8<-- [start:rebalance]
     def rebalance_experts(self, num_redundant: int | None = None) -> RebalanceReport:
         """EPLB between steps: place the experts anew for the load recorded so far,
         with num_redundant slots per layer beyond one per expert (default: the
@@ -217,8 +216,6 @@ class LLMEngine:
         )
         self.eplb_reports.append(report)
         return report
-
-    # --8<-- [end:rebalance]
 
     def shutdown(self) -> None:
         """Stop the executor's workers, if it has any. Idempotent."""

@@ -43,7 +43,6 @@ def replicate(loads: list[float], num_slots: int) -> list[int]:
     return counts
 
 
-# --8<-- [start:hierarchical]
 def place_layer(
     loads: list[float], num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> list[int]:
@@ -65,9 +64,6 @@ def place_layer(
         for gpu in range(gpus_per_node):
             phy2log += sorted(e for e, g in zip(replicas, gpu_of) if g == gpu)
     return phy2log
-
-
-# --8<-- [end:hierarchical]
 
 
 def rebalance_experts(

@@ -86,7 +86,6 @@ class ExpertParallel:
         self.turns = torch.zeros(placement.num_experts, dtype=torch.int64, device=device)
         self.traffic = traffic
 
-    # --8<-- [start:ep_forward]
     def forward(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
         lo, hi = token_share(len(x), self.rank, self.world)
         mine = x[lo:hi]
@@ -98,9 +97,6 @@ class ExpertParallel:
         y = weighted_sum(out, weights) + moe.shared_experts(mine)
         return self.all_gather(y, len(x))
 
-    # --8<-- [end:ep_forward]
-
-    # --8<-- [start:dispatch]
     def dispatch(
         self, x: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Route]:
@@ -121,9 +117,6 @@ class ExpertParallel:
         self.traffic.dispatch_bytes += self.sent_bytes(send, x, flat)
         return rows, local, route
 
-    # --8<-- [end:dispatch]
-
-    # --8<-- [start:combine]
     def combine(self, out: torch.Tensor, route: Route) -> torch.Tensor:
         """Send the expert outputs back where their rows came from; returns them in
         the sender's pair order: [tokens * top_k, hidden]."""
@@ -133,8 +126,6 @@ class ExpertParallel:
         others = sum(n for r, n in enumerate(route.recv_counts) if r != self.rank)
         self.traffic.combine_bytes += others * out.shape[1] * out.element_size()
         return pairs
-
-    # --8<-- [end:combine]
 
     def exchange(
         self, t: torch.Tensor, recv_counts: list[int], send_counts: list[int]

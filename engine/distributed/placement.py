@@ -46,7 +46,6 @@ class ExpertPlacement:
         return self.phy2log[:, rank * n : (rank + 1) * n].tolist()
 
 
-# --8<-- [start:replica_slots]
 def replica_slots(
     ids: torch.Tensor, turns: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor
 ) -> torch.Tensor:
@@ -62,9 +61,6 @@ def replica_slots(
     replica = (turns[flat] + nth) % logcnt[flat]
     turns += counts
     return log2phy[flat, replica].view_as(ids)
-
-
-# --8<-- [end:replica_slots]
 
 
 def rank_imbalance(slot_tokens: torch.Tensor, num_ranks: int) -> list[float]:

@@ -60,7 +60,6 @@ class Experts(nn.Module):
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
         self.token_counts += counts.to(self.token_counts.device)
 
-    # --8<-- [start:run_experts]
     def run(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Row i through the expert in slot slots[i]; outputs in the rows' order."""
         # Sort the rows by slot; a stable sort keeps token order within a slot.
@@ -77,8 +76,6 @@ class Experts(nn.Module):
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted
-
-    # --8<-- [end:run_experts]
 
     def place(self, slot_experts: list[int]) -> None:
         """Hold these logical experts' slots instead (weights to be loaded)."""
