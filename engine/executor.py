@@ -1,19 +1,22 @@
 """The door between the engine and its model runners.
 
-Today one process runs one ModelRunner, and every call goes straight to it.
-Expert parallelism (Chapter 4) runs a model runner per GPU, each in a process
-of its own: a multiprocess executor will then send the same call to every
-rank, as nano-vllm's ModelRunner.call and vLLM's executors do, and nothing
-above this module has to change.
+One process can run one ModelRunner, and every call goes straight to it
+(UniProcExecutor). Expert parallelism (Chapter 4) runs a model runner per rank,
+each in a process of its own: its executor (engine/distributed/multiproc_executor.py)
+sends the same call to every rank, as nano-vllm's ModelRunner.call and vLLM's
+executors do, and nothing above this module changes.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from engine.async_model_runner import AsyncModelRunner, StepFuture
 from engine.config import EngineConfig
+from engine.distributed.expert_parallel import ExpertLoad
+from engine.distributed.placement import ExpertPlacement
 from engine.kv_cache import KVCacheConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput
@@ -22,13 +25,19 @@ from engine.stats import EngineStats
 
 
 class Executor(ABC):
+    # Called after every step's forward pass, on the engine's side: EPLB's clock.
+    after_step: Callable[[], None] | None = None
+
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank's model runner; their results, rank 0 first."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank. Rank 0 samples, so its output is the step's."""
-        return self.collective_rpc("execute_model", scheduler_output)[0]
+        output = self.collective_rpc("execute_model", scheduler_output)[0]
+        if self.after_step is not None:
+            self.after_step()
+        return output
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         """Start one step and return before it is done (async scheduling): rank 0's
@@ -43,6 +52,18 @@ class Executor(ABC):
             configs[0].block_size,
             min(c.max_model_len for c in configs),
         )
+
+    def expert_load(self) -> ExpertLoad | None:
+        """The MoE layers' records, summed over ranks (bytes listed by rank)."""
+        loads = self.collective_rpc("expert_load")
+        return None if loads[0] is None else ExpertLoad.merge(loads)
+
+    def apply_placement(self, placement: ExpertPlacement) -> None:
+        """Move every rank to a new placement of the experts, between steps."""
+        self.collective_rpc("apply_placement", placement)
+
+    def shutdown(self) -> None:  # noqa: B027 (a no-op unless the executor started workers)
+        """Release what the executor started; a no-op in one process."""
 
 
 class UniProcExecutor(Executor):

@@ -95,3 +95,23 @@ def test_bench_prints_both_sides_and_the_ratios(qwen3) -> None:
     pad = re.search(r"pads every prompt to (\d+) tokens: (\d+) of its (\d+) prefill", out)
     width, padding, positions = map(int, pad.groups())
     assert 8 <= width <= 16 and positions == 4 * width and 0 <= padding <= 4 * (width - 8), out
+
+
+def test_generate_with_expert_parallelism_and_eplb(deepseek) -> None:
+    """Two ranks, EPLB on a clock: the same greedy text as one process."""
+    prompt = "def schedule(self):"
+    flags = [
+        "--dtype",
+        "float32",
+        "--expert-parallel-size",
+        "2",
+        "--eplb",
+        "--num-redundant-experts",
+        "2",
+    ]
+    proc = deepinfer("generate", "--model", str(deepseek[0]), "--max-tokens", "12", *flags, prompt)
+    assert proc.returncode == 0, proc.stderr
+    expected = LLM(deepseek[0], dtype="float32").generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
+    assert proc.stdout == prompt + expected[0].text + "\n"
