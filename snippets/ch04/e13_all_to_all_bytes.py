@@ -101,7 +101,7 @@ def main() -> dict:
     print(f"{'routing':<13} {'/expert':>7} {'/GPU':>6} {'/node':>6} {'max nodes':>10}")
     results: dict = {"tokens": TOKENS, "dispatch_bytes": DISPATCH_BYTES}
     results.update(combine_bytes=COMBINE_BYTES, nodes=NODES, rdma_gb_per_s=RDMA_GB_PER_S)
-    results["batch_per_gpu"] = BATCH_PER_GPU
+    results.update(batch_per_gpu=BATCH_PER_GPU, scale_block=SCALE_BLOCK)
     runs = {name: simulate(groups) for name, groups in ROUTINGS.items()}
     for name, r in runs.items():
         print(
