@@ -88,6 +88,17 @@ def summary(loads: list[int]) -> dict[str, float]:
     }
 
 
+def row_loads(skew: float, balanced: bool) -> list[int]:
+    """One row of the table: each expert's tokens, with or without a trained bias."""
+    rng = random.Random(f"{SEED}-{skew}-{balanced}")
+    offsets = popularity(skew)
+    bias = train_bias(offsets, rng) if balanced else [0.0] * EXPERTS
+    return expert_loads(offsets, bias, TOKENS, rng)
+
+
+ROWS = [(skew, False) for skew in SKEWS] + [(SKEWS[-1], True)]
+
+
 def main() -> dict:
     print(f"{TOKENS} tokens, top-{TOP_K} of {EXPERTS} experts")
     print(f"in the best {TOPK_GROUPS} of {GROUPS} groups; {GPUS} GPUs")
@@ -97,12 +108,8 @@ def main() -> dict:
     print(header + f" {'hot ' + str(TOP_K):>7} {'GPU max':>8}")
     results: dict = {"tokens": TOKENS, "experts": EXPERTS, "top_k": TOP_K, "gpus": GPUS}
     results.update(groups=GROUPS, topk_groups=TOPK_GROUPS, uniform_hot_share=TOP_K / EXPERTS)
-    rows = [(skew, False) for skew in SKEWS] + [(SKEWS[-1], True)]
-    for skew, balanced in rows:
-        rng = random.Random(f"{SEED}-{skew}-{balanced}")
-        offsets = popularity(skew)
-        bias = train_bias(offsets, rng) if balanced else [0.0] * EXPERTS
-        s = summary(expert_loads(offsets, bias, TOKENS, rng))
+    for skew, balanced in ROWS:
+        s = summary(row_loads(skew, balanced))
         mark = "yes" if balanced else "no"
         print(
             f"{skew:>6.2f} {mark:>5} {s['expert_max']:>9.2f} {s['idle']:>5}"
