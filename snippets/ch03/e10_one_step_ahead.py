@@ -1,9 +1,9 @@
 """Experiment 10: one-step-ahead scheduling. What does overlapping buy?
 
 The same steps as Experiment 9, with the same costs and the same seed, run
-the way an engine with async scheduling runs them. The CPU schedules step n and
-builds its inputs, launches it, and only then waits for step n-1 and processes
-its outputs. The GPU starts step n as soon as it has finished step n-1 and step
+the way an engine with async scheduling runs them. The CPU schedules step N and
+builds its inputs, launches it, and only then waits for step N-1 and processes
+its outputs. The GPU starts step N as soon as it has finished step N-1 and step
 n has been launched. While the GPU runs one step, the CPU prepares the next.
 
 The experiment reports the GPU's idle share and the throughput of both loops,
@@ -59,14 +59,14 @@ def serial(costs: list[dict[str, float]]) -> tuple[float, float]:
 
 
 def one_step_ahead(costs: list[dict[str, float]]) -> tuple[float, float]:
-    """(wall ms, GPU busy ms) when step n is launched before step n-1 is processed."""
+    """(wall ms, GPU busy ms) when step N is launched before step N-1 is processed."""
     cpu = gpu = 0.0  # when the CPU, and the GPU, are next free
     done = []  # when each step's forward ends
     for n, step in enumerate(costs):
-        cpu += step["schedule"] + step["prepare"]  # step n, launched
+        cpu += step["schedule"] + step["prepare"]  # step N, launched
         gpu = max(gpu, cpu) + step["forward"]
         done.append(gpu)
-        if n > 0:  # then wait for step n-1's tokens, and process them
+        if n > 0:  # then wait for step N-1's tokens, and process them
             cpu = max(cpu, done[n - 1]) + costs[n - 1]["process"]
     wall = max(cpu, done[-1]) + costs[-1]["process"]
     return wall, sum(step["forward"] for step in costs)

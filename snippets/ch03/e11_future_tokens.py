@@ -1,12 +1,12 @@
 """Experiment 11: future-token placeholders. What does scheduling ahead waste?
 
-And what makes it wait? With one-step-ahead scheduling, step s+1 is scheduled before step s's tokens
+And what makes it wait? With one-step-ahead scheduling, step N+1 is scheduled before step N's tokens
 are known. A placeholder stands for each such token, and the device fills it
-in, so building step s+1 needs nothing from the host; without placeholders,
+in, so building step N+1 needs nothing from the host; without placeholders,
 every step would wait for the one before. Some things are still known late:
 
-- a request that ends on step s's token, by EOS or by a stop string in its
-  text, has already been scheduled for step s+1, and that token is wasted;
+- a request that ends on step N's token, by EOS or by a stop string in its
+  text, has already been scheduled for step N+1, and that token is wasted;
 - a request that ends by max_tokens is known to end before its token arrives,
   so it is not scheduled again (a naive engine would schedule it);
 - a request preempted while a token of it is in flight keeps that token when
@@ -74,8 +74,8 @@ class Engine:
 
 
 def simulate(requests: list[Request], engine: Engine) -> dict:
-    """The async engine's loop, one step at a time: schedule step s, and only
-    then fold in step s-1's tokens, unless a grammar makes it fold them first."""
+    """The async engine's loop, one step at a time: schedule step N, and only
+    then fold in step N-1's tokens, unless a grammar makes it fold them first."""
     next_token = [1] * len(requests)  # the next token of each request to compute
     folded = [0] * len(requests)  # how many of its tokens are known
     wasted = dict.fromkeys([*ENDINGS, "preempted"], 0)

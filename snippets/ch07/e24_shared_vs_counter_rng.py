@@ -90,11 +90,18 @@ def main() -> dict:
     for seed in range(TRIALS):
         counts[race(p, seed, 0)] += 1
     worst = max(abs(n / TRIALS - pi) for n, pi in zip(counts, p))
+    # Each frequency is a mean of TRIALS coin flips: its sampling error
+    # has standard deviation sqrt(p (1 - p) / TRIALS) (one sigma).
+    sigmas = max(
+        abs(n / TRIALS - pi) / math.sqrt(pi * (1 - pi) / TRIALS)
+        for n, pi in zip(counts, p)
+    )
     print()
     print(f"runs that differ from alone: shared {changed_shared},")
     print(f"  counter-based {changed_counter} (of {len(COMPANY)})")
     print(f"race over {TRIALS} seeds: frequencies within {worst:.4f}")
     print("  of the probabilities")
+    print(f"  (worst token: {sigmas:.2f} sigma of sampling error)")
     return {
         "steps": STEPS,
         "vocab": VOCAB,
@@ -103,6 +110,7 @@ def main() -> dict:
         "changed_counter": changed_counter,
         "trials": TRIALS,
         "worst_deviation": worst,
+        "worst_sigmas": sigmas,
     }
 
 
