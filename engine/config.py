@@ -206,6 +206,16 @@ class EngineConfig:
     # Record when each stage of each step ran (trace.py): True keeps it in memory,
     # a path also writes it there as a Chrome trace when generate returns.
     trace: bool | str = False
+    # Expert parallelism (engine/distributed/): the routed experts spread over this
+    # many processes (ranks) in one torch.distributed group; 1 keeps them all here.
+    expert_parallel_size: int = 1
+    # EPLB: every eplb_interval steps, place the experts anew from the load recorded
+    # so far, with num_redundant_experts slots per layer beyond one per expert.
+    enable_eplb: bool = False
+    eplb_interval: int = 32
+    num_redundant_experts: int = 0
+    # How long a collective may wait for a rank before the engine gives up on it.
+    distributed_timeout_s: float = 60.0
     hf_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -231,11 +241,29 @@ class EngineConfig:
                 "attention_backend must be 'torch', 'cpu' or 'triton', "
                 f"got {self.attention_backend!r}"
             )
+        self._check_expert_parallel()
         if self.batch_invariant and self.attention_backend == "cpu":
             raise ValueError(
                 "batch_invariant=True needs attention_backend 'torch' or 'triton': the 'cpu' "
                 "backend attends prompt chunks in batch-dependent order"
             )
+
+    def _check_expert_parallel(self) -> None:
+        ep, moe = self.expert_parallel_size, self.hf_config.moe
+        if ep < 1 or self.num_redundant_experts < 0 or self.eplb_interval < 1:
+            raise ValueError(
+                "expert_parallel_size and eplb_interval must be at least 1, "
+                "num_redundant_experts at least 0"
+            )
+        if moe is None and (ep > 1 or self.enable_eplb or self.num_redundant_experts):
+            raise ValueError("expert parallelism and EPLB need a mixture-of-experts model")
+        if moe is not None and (moe.num_experts + self.num_redundant_experts) % ep:
+            raise ValueError(
+                f"{moe.num_experts} experts + {self.num_redundant_experts} redundant slots "
+                f"do not divide among expert_parallel_size {ep} ranks"
+            )
+        if ep > 1 and self.async_scheduling:
+            raise ValueError("expert_parallel_size > 1 needs async_scheduling=False")
 
     def _default_backend(self) -> str:
         """Triton's kernels on a GPU. On the CPU, the C++ decode operator when it

@@ -1,10 +1,10 @@
 """The door between the engine and its model runners.
 
-Today one process runs one ModelRunner, and every call goes straight to it.
-Expert parallelism (Chapter 4) runs a model runner per GPU, each in a process
-of its own: a multiprocess executor will then send the same call to every
-rank, as nano-vllm's ModelRunner.call and vLLM's executors do, and nothing
-above this module has to change.
+One process can run one ModelRunner, and every call goes straight to it
+(UniProcExecutor). Expert parallelism (Chapter 4) runs a model runner per rank,
+each in a process of its own: its executor (engine/distributed/multiproc_executor.py)
+sends the same call to every rank, as nano-vllm's ModelRunner.call and vLLM's
+executors do, and nothing above this module changes.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 from engine.async_model_runner import AsyncModelRunner, StepFuture
 from engine.config import EngineConfig
+from engine.distributed.expert_parallel import ExpertLoad
+from engine.distributed.placement import ExpertPlacement
 from engine.kv_cache import KVCacheConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput
@@ -43,6 +45,18 @@ class Executor(ABC):
             configs[0].block_size,
             min(c.max_model_len for c in configs),
         )
+
+    def expert_load(self) -> ExpertLoad | None:
+        """The MoE layers' records, summed over ranks (bytes listed by rank)."""
+        loads = self.collective_rpc("expert_load")
+        return None if loads[0] is None else ExpertLoad.merge(loads)
+
+    def apply_placement(self, placement: ExpertPlacement) -> None:
+        """Move every rank to a new placement of the experts, between steps."""
+        self.collective_rpc("apply_placement", placement)
+
+    def shutdown(self) -> None:  # noqa: B027 (a no-op unless the executor started workers)
+        """Release what the executor started; a no-op in one process."""
 
 
 class UniProcExecutor(Executor):

@@ -5,7 +5,7 @@ fetched from a hub: the folder must hold everything."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,17 +28,23 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(
+    path: Path, wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, or those ``wanted`` names: the others are never read."""
     for file in safetensors_files(path):
         if not file.is_file():
             raise ValueError(f"the index names a shard that is missing: {file}")
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                if wanted is None or wanted(name):
+                    yield name, f.get_tensor(name)
 
 
-def load_model(config: EngineConfig) -> nn.Module:
-    """Build the model on its device in its dtype, then copy the weights in."""
+def load_model(config: EngineConfig, local_experts: list[list[int]] | None = None) -> nn.Module:
+    """Build the model on its device in its dtype, then copy the weights in. With
+    ``local_experts`` (expert parallelism), each MoE layer holds only those experts'
+    slots, and no other routed expert's weights are read."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
@@ -46,8 +52,12 @@ def load_model(config: EngineConfig) -> nn.Module:
             model = build_model(config.hf_config)
     finally:
         torch.set_default_dtype(previous)
+    wanted = None
+    if local_experts is not None:
+        model.place_experts(local_experts)
+        wanted = model.wants_weight
     with torch.no_grad():
-        model.load_weights(iterate_weights(Path(config.model)))
+        model.load_weights(iterate_weights(Path(config.model), wanted))
     return model.eval().requires_grad_(False)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,9 +17,11 @@ from engine.attention import AttentionMetadata, forward_context, get_backend
 from engine.batch_invariant import use_fixed_row_tiles
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
+from engine.distributed.expert_parallel import ExpertLoad, TrafficCounters, attach
+from engine.distributed.placement import ExpertPlacement, initial_placement
 from engine.kv_cache import KVCacheConfig, KVCachePool
 from engine.layers.sampler import GrammarMask, Sampler, SamplingMetadata, SamplingRow
-from engine.loader import load_model
+from engine.loader import iterate_weights, load_model
 from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import GrammarOutput, SchedulerOutput
@@ -57,20 +60,29 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, stats: EngineStats | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, stats: EngineStats | None = None, rank: int = 0
+    ) -> None:
+        """``rank``: this runner's place in the expert-parallel group; rank 0 samples."""
         self.config = config
         self.stats = stats or EngineStats()
+        self.rank = rank
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.backend = get_backend(
             config.attention_backend, config.device, config.block_size, config.batch_invariant
         )
-        self.model = load_model(config)
+        self.placement = initial_placement(config)
+        local = self.placement.local_experts(rank) if self.placement else None
+        self.model = load_model(config, local)
         if config.batch_invariant:
             use_fixed_row_tiles(self.model)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._bind_expert_counts()
+        self.traffic = TrafficCounters()
+        if self.placement is not None:
+            self.traffic = attach(self.model, self.placement, rank, self.device)
         self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
         self.max_model_len = self.kv_cache.max_model_len
         self.graphs: CUDAGraphRunner | None = None
@@ -100,10 +112,41 @@ class ModelRunner:
             )
             for row, layer in zip(counts, experts):
                 layer.token_counts = row
-            self.stats.expert_tokens = counts
+            # This rank's routing; under expert parallelism the engine's stats get
+            # the sum over ranks (LLMEngine.sync_expert_stats).
+            self.expert_tokens = self.stats.expert_tokens = counts
 
     def kv_cache_config(self) -> KVCacheConfig:
         return self.kv_cache.kv_cache_config()
+
+    def expert_load(self) -> ExpertLoad | None:
+        """What this rank's MoE layers recorded: tokens routed per logical expert,
+        rows run per physical slot, and bytes sent to other ranks."""
+        if self.stats.expert_tokens is None:
+            return None
+        moes = self.model.moe_layers()
+        slots = None
+        if self.placement is not None:
+            slots = torch.stack([moe.ep.slot_tokens for moe in moes])
+        return ExpertLoad(
+            self.expert_tokens.cpu(),
+            slots,
+            [self.traffic.dispatch_bytes],
+            [self.traffic.combine_bytes],
+        )
+
+    def apply_placement(self, placement: ExpertPlacement) -> None:
+        """Between steps: hold this rank's slots of a new placement, read their
+        experts' weights from the checkpoint, and count slot loads afresh."""
+        self.placement = placement
+        self.model.place_experts(placement.local_experts(self.rank))
+        names = iterate_weights(Path(self.config.model), self.model.wants_weight)
+        with torch.no_grad():
+            self.model.load_weights(names, only_experts=True)
+        traffic = self.traffic
+        self.traffic = attach(self.model, placement, self.rank, self.device)
+        self.traffic.dispatch_bytes = traffic.dispatch_bytes  # bytes are since start-up
+        self.traffic.combine_bytes = traffic.combine_bytes
 
     def build_model_input(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled requests into one batch, decodes first.
@@ -182,15 +225,20 @@ class ModelRunner:
         else:
             with forward_context(batch.meta, step.attn_metadata, self.backend):
                 hidden = self.model(batch.input_ids, batch.positions)
-        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        rows = batch.logits_indices if self.rank == 0 else batch.logits_indices[:0]
+        logits = self.model.compute_logits(hidden[rows]).float()
         self.stats.forward_seconds += time.perf_counter() - start
         return logits
 
     @torch.inference_mode()
     def execute_prepared(self, step: PreparedStep) -> ModelRunnerOutput:
         """The device's share of a step: the forward pass, then a token for every
-        request whose new tokens reach its end. The tokens stay on the device."""
-        sampled = self.sampler(self.forward(step), step.sampling)
+        request whose new tokens reach its end. The tokens stay on the device.
+        Only rank 0 samples; another rank's forward pass serves its experts."""
+        logits = self.forward(step)
+        if self.rank != 0:
+            return None
+        sampled = self.sampler(logits, step.sampling)
         return ModelRunnerOutput(step.batch.req_ids, sampled.sampled_token_ids, sampled.logprobs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

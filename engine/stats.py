@@ -25,3 +25,10 @@ class EngineStats:
     # [MoE layer, expert] tokens routed, recomputes included (MTP modules' layers last);
     # None for a model without experts
     expert_tokens: torch.Tensor | None = None
+    # With placed experts (expert parallelism or EPLB): [MoE layer, physical slot] rows
+    # each slot ran since the placement began; and, per rank, bytes it sent to other
+    # ranks in dispatch and in combine. Under expert parallelism these, and
+    # expert_tokens, are summed over the ranks when generate returns.
+    expert_slot_tokens: torch.Tensor | None = None
+    ep_dispatch_bytes: list[int] | None = None
+    ep_combine_bytes: list[int] | None = None

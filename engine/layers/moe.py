@@ -30,11 +30,16 @@ class GatedMLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, stacked: expert e is gate_up_proj[e], down_proj[e]."""
+    """The routed experts' weights, stacked: slot s is gate_up_proj[s], down_proj[s].
+
+    Without expert parallelism slot e holds expert e. Under it, a rank holds only
+    its slots, and slot_experts says which logical expert each one is a copy of.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # logical experts, whatever this rank holds
+        self.slot_experts = list(range(num_experts))
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
@@ -46,24 +51,51 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden]; weights, ids: [tokens, top_k] from the router."""
-        top_k = ids.shape[1]
-        # Sort the (token, expert) pairs by expert; a stable sort keeps token order.
-        order = ids.flatten().argsort(stable=True)
+        self.count(ids)
+        # Pair p is token p // top_k with its (p % top_k)-th expert.
+        out = self.run(x.repeat_interleave(ids.shape[1], dim=0), ids.flatten())
+        return weighted_sum(out, weights)
+
+    def count(self, ids: torch.Tensor) -> None:
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
         self.token_counts += counts.to(self.token_counts.device)
-        rows = x[order // top_k]  # a token appears once for each of its experts
+
+    def run(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Row i through the expert in slot slots[i]; outputs in the rows' order."""
+        # Sort the rows by slot; a stable sort keeps token order within a slot.
+        order = slots.argsort(stable=True)
+        counts = torch.bincount(slots, minlength=len(self.gate_up_proj))
+        rows = rows[order]
         out = torch.empty_like(rows)
         start = 0
-        for e, n in enumerate(counts.tolist()):  # each expert: one contiguous slice
+        for s, n in enumerate(counts.tolist()):  # each slot: one contiguous slice
             if n:
-                h = self.act(rows[start : start + n] @ self.gate_up_proj[e].T)
-                out[start : start + n] = h @ self.down_proj[e].T
+                h = self.act(rows[start : start + n] @ self.gate_up_proj[s].T)
+                out[start : start + n] = h @ self.down_proj[s].T
             start += n
-        # Unsort, then sum each token's top_k outputs with their weights.
         unsorted = torch.empty_like(out)
         unsorted[order] = out
-        mixed = (unsorted.view(len(x), top_k, -1).float() * weights[..., None]).sum(1)
-        return mixed.to(x.dtype)
+        return unsorted
+
+    def place(self, slot_experts: list[int]) -> None:
+        """Hold these logical experts' slots instead (weights to be loaded)."""
+        self.slot_experts = list(slot_experts)
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(self, name)
+            shape = (len(slot_experts), *old.shape[1:])
+            new = torch.empty(shape, dtype=old.dtype, device=old.device)
+            setattr(self, name, nn.Parameter(new, requires_grad=False))
+
+    def slots_of(self, expert: int) -> list[int]:
+        return [s for s, e in enumerate(self.slot_experts) if e == expert]
+
+
+def weighted_sum(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[tokens * top_k, hidden] expert outputs in pair order -> [tokens, hidden]:
+    each token's outputs summed with its router weights, in float32."""
+    pairs = out.view(len(weights), weights.shape[1], out.shape[-1])
+    mixed = (pairs.float() * weights[..., None]).sum(1)
+    return mixed.to(out.dtype)
 
 
 class MoE(nn.Module):
@@ -78,7 +110,10 @@ class MoE(nn.Module):
         self.gate = gate
         self.experts = Experts(gate.num_experts, hidden_size, intermediate_size)
         self.shared_experts = GatedMLP(hidden_size, intermediate_size * num_shared_experts)
+        self.ep = None  # an ExpertParallel once the experts are placed on ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None:  # experts placed on ranks: engine/distributed/
+            return self.ep.forward(self, x)
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids) + self.shared_experts(x)

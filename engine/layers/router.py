@@ -45,7 +45,7 @@ class GroupedTopKRouter(nn.Module):
         scores = F.linear(x.float(), self.weight).sigmoid()
         biased = scores + self.e_score_correction_bias  # for choosing only
         # A group's score is the sum of its two best experts; keep the best groups.
-        groups = biased.view(len(x), self.num_groups, -1)
+        groups = biased.view(len(x), self.num_groups, self.num_experts // self.num_groups)
         group_scores = groups.topk(2, dim=-1).values.sum(-1)
         best = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)

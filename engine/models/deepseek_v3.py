@@ -210,20 +210,51 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Every layer with a paged cache: the main layers', then the MTP modules'."""
         return [layer.self_attn.attn for layer in (*self.model.layers, *self.model.mtp)]
 
+    def moe_layers(self) -> list[MoE]:
+        """Every MoE layer, main layers first, then the MTP modules'."""
+        layers = (*self.model.layers, *self.model.mtp)
+        return [layer.mlp for layer in layers if isinstance(layer.mlp, MoE)]
+
     def experts(self) -> list[Experts]:
         """The routed experts of every MoE layer, main layers first."""
-        layers = (*self.model.layers, *self.model.mtp)
-        return [layer.mlp.experts for layer in layers if isinstance(layer.mlp, MoE)]
+        return [moe.experts for moe in self.moe_layers()]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in, and prove every element of every parameter was."""
+    def place_experts(self, local: list[list[int]]) -> None:
+        """Hold, in each MoE layer, only the slots this rank serves: local[layer] is
+        the logical expert of each. Their weights must be loaded next."""
+        for experts, slots in zip(self.experts(), local, strict=True):
+            experts.place(slots)
+
+    def wants_weight(self, name: str) -> bool:
+        """False for a routed expert's tensor that no slot of this rank holds, so
+        that the loader never reads it."""
+        target, expert = self._expert(name)
+        if expert is None:
+            return True
+        return bool(self.get_submodule(target.rsplit(".", 1)[0]).slots_of(expert[0]))
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], only_experts: bool = False
+    ) -> None:
+        """Copy checkpoint tensors in, and prove every element of every parameter was
+        (with ``only_experts``, of every routed expert's parameter: a new placement)."""
         params = dict(self.named_parameters())
+        if only_experts:
+            params = {n: p for n, p in params.items() if ".experts." in n}
         filled = dict.fromkeys(params, 0)
         shared: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed, never loaded
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, expert = self._expert(name)
+            if expert is not None:  # into each slot that holds a copy of the expert
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter")
+                filled[target] += self._load_expert(target, expert, tensor)
+                continue
+            if only_experts:
                 continue
             target, part = self._target(name)
             if target.startswith("model.mtp.") and target.endswith(
@@ -249,18 +280,44 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
         self._check_shared(shared)
 
-    def _target(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-        """Our parameter for a checkpoint tensor, and the part of it the tensor fills."""
+    def _expert(self, name: str) -> tuple[str, tuple[int, str] | None]:
+        """For one routed expert's matrix: our stacked parameter, and (expert, proj)."""
+        name = self._renamed(name)
+        expert = re.search(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if not expert:
+            return name, None
+        proj = expert[2]
+        stacked = "down_proj" if proj == "down" else "gate_up_proj"
+        return f"{name[: expert.start()]}.experts.{stacked}", (int(expert[1]), proj)
+
+    def _load_expert(self, target: str, expert: tuple[int, str], tensor: torch.Tensor) -> int:
+        """Copy one expert's matrix into each local slot that holds the expert."""
+        module, stacked = target.rsplit(".", 1)
+        experts = self.get_submodule(module)
+        e, proj = expert
+        filled = 0
+        for slot in experts.slots_of(e):
+            dest = _half(getattr(experts, stacked).data[slot], proj)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"expert {e} {proj}_proj: checkpoint shape {tuple(tensor.shape)}, "
+                    f"model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled += dest.numel()
+        return filled
+
+    def _renamed(self, name: str) -> str:
+        """MTP modules are stored as layers num_hidden_layers and up; ours are model.mtp."""
         n = self.config.num_hidden_layers
         layer = re.match(r"model\.layers\.(\d+)\.(.*)", name)
-        if layer and int(layer[1]) >= n:  # an MTP module, stored after the layers
-            name = f"model.mtp.{int(layer[1]) - n}.{layer[2]}"
-        expert = re.search(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
-        if expert:  # one expert's matrix: its row of the stacked parameter
-            e, proj = int(expert[1]), expert[2]
-            stacked = "down_proj" if proj == "down" else "gate_up_proj"
-            target = f"{name[: expert.start()]}.experts.{stacked}"
-            return target, lambda p: _half(p[e], proj)
+        if layer and int(layer[1]) >= n:
+            return f"model.mtp.{int(layer[1]) - n}.{layer[2]}"
+        return name
+
+    def _target(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Our parameter for a checkpoint tensor, and the part of it the tensor fills."""
+        name = self._renamed(name)
         mlp = re.search(r"\.(gate|up)_proj\.weight$", name)
         if mlp:  # a dense MLP's or the shared experts': half of the fused gate_up_proj
             proj = mlp[1]

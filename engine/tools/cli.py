@@ -4,6 +4,8 @@
     deepinfer serve PATH [--port 8000 ...]         an OpenAI-compatible HTTP server
     deepinfer router --worker URL --worker URL     one address in front of several servers
     deepinfer bench --model PATH ...               throughput and latency table
+    deepinfer generate/bench ... --expert-parallel-size N [--eplb]
+                                                   a MoE model's experts over N processes
     deepinfer bench --serve --model PATH ...       the same workload, over HTTP and offline
     deepinfer edition check [PATH]                 does this checkout match the book?
 
@@ -31,7 +33,12 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        **_expert_parallel(args),
+    )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -122,9 +129,41 @@ def _bench(args: argparse.Namespace) -> int:
             kv_baselines=args.kv_baseline,
             device=args.device,
             max_num_seqs=max(args.num_prompts, 1),
+            **_expert_parallel(args),
         )
     )
     return 0
+
+
+def _expert_parallel(args: argparse.Namespace) -> dict:
+    """The engine keywords of --expert-parallel-size, --eplb and --num-redundant-experts."""
+    return {
+        "expert_parallel_size": args.expert_parallel_size,
+        "enable_eplb": args.eplb,
+        "num_redundant_experts": args.num_redundant_experts,
+    }
+
+
+def _add_expert_parallel(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="spread a MoE model's routed experts over N processes",
+    )
+    parser.add_argument(
+        "--eplb",
+        action="store_true",
+        help="re-place the experts for their recorded load every 32 steps (EPLB)",
+    )
+    parser.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --eplb: R extra expert slots per layer, for copies of busy experts",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None)
     gen.add_argument("--max-model-len", type=int, default=None)
+    _add_expert_parallel(gen)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
@@ -234,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also load this model and compare its KV bytes per token (repeatable)",
     )
+    _add_expert_parallel(bench)
     bench.set_defaults(func=_bench)
 
     edition = sub.add_parser("edition", help="compare a checkout with the book's edition")

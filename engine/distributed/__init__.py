@@ -1,0 +1,1 @@
+"""Expert parallelism across processes, and the placement of experts on ranks (EPLB)."""

@@ -1,0 +1,84 @@
+"""Demo: EPLB on deepinfer-tiny-moe's recorded load, across EP processes.
+
+The engine runs prompts (windows of a chapter of this book) with one slot per
+expert, the experts in order on the ranks, and records each rank's tokens.
+Then llm.rebalance_experts() asks EPLB's policy for a placement with REDUNDANT
+extra slots per layer, for the load recorded, and moves every rank to it; the
+same prompts run again. Per MoE layer the demo prints the imbalance (the
+busiest rank's tokens over the mean rank's) measured in each run, checks that
+the tokens are identical, and shows the policy's own estimate for more ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.distributed.eplb import imbalance, rebalance_experts
+
+MODEL = os.environ.get("DEEPINFER_DEMO_MODEL", "snippets/models/deepinfer-tiny-moe")
+TEXT = "docs/ch01-batching-and-the-kv-cache.md"
+EP, REDUNDANT = 2, 4
+PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 64, 16
+MORE_RANKS = (4, 8)  # the policy alone, one redundant slot per rank
+
+
+def prompts(llm: LLM) -> list[list[int]]:
+    ids = llm.tokenizer.encode(Path(TEXT).read_text()).ids
+    return [ids[i * PROMPT_LEN : (i + 1) * PROMPT_LEN] for i in range(PROMPTS)]
+
+
+def estimate(load, experts: int, groups: int, ranks: int, extra: int) -> tuple[float, float]:
+    """EPLB's worst layer, on this load: with the experts in order, and placed."""
+    identity = imbalance(load, torch.arange(experts).repeat(len(load), 1), ranks)
+    phy2log, _, _ = rebalance_experts(load, experts + extra, groups, 1, ranks)
+    return max(identity), max(imbalance(load, phy2log, ranks))
+
+
+def main() -> dict:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    llm = LLM(MODEL, dtype="float32", expert_parallel_size=EP)
+    engine, batch = llm.llm_engine, prompts(llm)
+    first_run = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    cfg = engine.config.hf_config
+    layers = cfg.num_hidden_layers - cfg.moe.first_k_dense_replace  # not the MTP module
+    before = engine.rank_imbalance()[:layers]
+    load = llm.stats.expert_tokens[:layers].clone()
+    report = llm.rebalance_experts(num_redundant=REDUNDANT)
+    second_run = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    after = engine.rank_imbalance()[:layers]
+    llm.shutdown()
+    same = second_run == first_run
+    experts, slots = cfg.moe.num_experts, report.placement.phy2log.shape[1]
+    print(f"EP={EP}: {experts} experts; EPLB adds {REDUNDANT} slots")
+    print(f"  a layer: {slots} slots, {slots // EP} a rank")
+    print("busiest rank's tokens over the mean, measured:")
+    print(f"{'layer':>5}{'in order':>10}{'EPLB':>8}{'copied':>8}")
+    first = cfg.moe.first_k_dense_replace
+    placed = report.placement.logcnt[:layers]
+    results: dict = {"ep": EP, "redundant": REDUNDANT, "slots": slots, "same_tokens": same}
+    for i in range(layers):
+        copied = [e for e, n in enumerate(placed[i].tolist()) if n > 1]
+        names = ",".join(map(str, copied))
+        print(f"{first + i:>5}{before[i]:>10.3f}{after[i]:>8.3f}  {names}")
+        results[f"imbalance_before_layer_{first + i}"] = round(before[i], 4)
+        results[f"imbalance_after_layer_{first + i}"] = round(after[i], 4)
+        results[f"copied_layer_{first + i}"] = copied
+    print(f"tokens identical, before and after: {same}")
+    print("the policy's estimate (worst layer), same load:")
+    print(f"{'ranks':>5}{'extra':>7}{'in order':>10}{'EPLB':>8}")
+    groups = cfg.moe.num_groups
+    for ranks, extra in ((EP, REDUNDANT), *((r, r) for r in MORE_RANKS)):
+        was, now = estimate(load, experts, groups, ranks, extra)
+        print(f"{ranks:>5}{extra:>7}{was:>10.3f}{now:>8.3f}")
+        results[f"estimate_before_ranks_{ranks}"] = round(was, 4)
+        results[f"estimate_after_ranks_{ranks}"] = round(now, 4)
+    results["more_ranks"] = list(MORE_RANKS)
+    return results
+
+
+if __name__ == "__main__":
+    main()
