@@ -8,6 +8,7 @@ the plot draws the same loads that its table summarises.
 import sys
 
 from _plotting import figure, load_experiment, reproducible_pyplot, save_svg
+from matplotlib.ticker import NullFormatter
 
 
 def main(out: str) -> None:
@@ -30,6 +31,9 @@ def main(out: str) -> None:
         )
     ax.axhline(1, color="grey", lw=0.6)
     ax.set_xscale("log")
+    ticks = [2**i for i in range(0, e12.EXPERTS.bit_length(), 2)]  # 1, 4, 16, ...
+    ax.set_xticks(ticks, [str(t) for t in ticks])  # plain text, no mathtext powers
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_ylim(bottom=0)
     ax.set_xlim(1, e12.EXPERTS)
     ax.set_xlabel("experts, busiest first")
