@@ -93,8 +93,7 @@ def main() -> dict:
     # Each frequency is a mean of TRIALS coin flips: its sampling error
     # has standard deviation sqrt(p (1 - p) / TRIALS) (one sigma).
     sigmas = max(
-        abs(n / TRIALS - pi) / math.sqrt(pi * (1 - pi) / TRIALS)
-        for n, pi in zip(counts, p)
+        abs(n / TRIALS - pi) / math.sqrt(pi * (1 - pi) / TRIALS) for n, pi in zip(counts, p)
     )
     print()
     print(f"runs that differ from alone: shared {changed_shared},")

@@ -1,0 +1,271 @@
+"""DeepInfer against llama.cpp on this CPU: one workload, both engines, one table.
+
+    python benchmarks/llama_cpp.py                          # deepinfer-tiny, batches 1 8 64 256
+    python benchmarks/llama_cpp.py --model qwen3-0.6b-shape --batches 1,8,64
+    python benchmarks/llama_cpp.py --dtypes bfloat16,float32 --input-len 143 --output-len 64
+
+What it does, caching each step under --work (default benchmarks/.work):
+
+1. Downloads the llama-cpp-python source distribution (a pinned version) with pip and
+   builds the llama.cpp it vendors with cmake: only the `llama-batched-bench` tool, for
+   this CPU (GGML_NATIVE).
+2. Converts the model to GGUF with the converter llama.cpp ships, at f16 (llama.cpp's
+   default). deepinfer-tiny's tokenizer is byte-level BPE with GPT-2's pre-tokenizer
+   regex, which the converter cannot identify by its hash, and it has no tokenizer.model:
+   the converter is told both from outside (see `convert`), with no vendored file edited.
+   `qwen3-0.6b-shape` is Qwen3-0.6B's config with random weights, built offline.
+3. For every batch size B: B prompts of --input-len tokens, --output-len new tokens each,
+   greedy, no early stop. llama.cpp runs `llama-batched-bench` (one process per B);
+   DeepInfer runs `LLM.generate` (one process per B and dtype, warmed up first on an
+   unrelated batch). Each side's time covers prefill and decode; its peak RSS is the
+   process's own, from the kernel (wait4).
+
+It prints one table: output tokens/s of each side, their ratio, and peak RSS. One run,
+on whatever else the machine is doing: read the ratios, not the absolute numbers, and
+run it on an idle machine. Not part of `make test` (it downloads and builds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_CPP_PYTHON = "0.3.36"  # pinned: its vendored llama.cpp is what gets built
+TINY = ROOT / "snippets" / "models" / "deepinfer-tiny"
+# Qwen3-0.6B's published config (Qwen/Qwen3-0.6B, config.json), weights random.
+QWEN3_06B = dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+def llama_source(work: Path) -> Path:
+    """The llama.cpp tree vendored in the pinned llama-cpp-python sdist."""
+    tree = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    if not tree.is_dir():
+        sdist = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+        if not sdist.is_file():
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+            run([*pip, "-d", str(work), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"])
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+    return tree / "vendor" / "llama.cpp"
+
+
+def build_batched_bench(llama: Path, jobs: int) -> Path:
+    binary = llama / "build" / "bin" / "llama-batched-bench"
+    if not binary.is_file():
+        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
+        flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+        run(["cmake", "-S", str(llama), "-B", str(llama / "build"), *flags])
+        run(
+            ["cmake", "--build", str(llama / "build"), "--target", "llama-batched-bench"]
+            + ["-j", str(jobs)]
+        )
+    return binary
+
+
+CONVERT = """
+import sys
+from pathlib import Path
+llama = Path(sys.argv[1])
+sys.path[:0] = [str(llama), str(llama / "gguf-py")]
+import conversion.base as base
+
+# GPT-2's pre-tokenizer regex, which the converter knows only by the hashes of
+# models it has seen.
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+# Without sentencepiece installed the converter fails on import before it finds
+# there is no tokenizer.model; say what it would have found.
+sentencepiece = base.TextModel._set_vocab_sentencepiece
+
+def byte_level_bpe(self, *args, **kwargs):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model: byte-level BPE in tokenizer.json")
+    return sentencepiece(self, *args, **kwargs)
+
+base.TextModel._set_vocab_sentencepiece = byte_level_bpe
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert_hf_to_gguf.main()
+"""
+
+
+def convert(llama: Path, model: Path, out: Path) -> Path:
+    if not out.is_file():
+        run(
+            [sys.executable, "-c", CONVERT, str(llama), str(model)]
+            + ["--outfile", str(out), "--outtype", "f16"]
+        )
+    return out
+
+
+# ---------------------------------------------------------------- models
+
+
+def qwen3_shape(work: Path) -> Path:
+    """Qwen3-0.6B's shapes with random weights (bf16), and deepinfer-tiny's tokenizer:
+    speed depends on the shapes, not on what the weights learned."""
+    out = work / "qwen3-0.6b-shape"
+    if not (out / "model.safetensors").is_file():
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B)).to(torch.bfloat16)
+        model.save_pretrained(out)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TINY / name, out / name)
+    return out
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass
+class Run:
+    seconds: float  # prefill and decode of the whole batch
+    output_tokens: int
+    peak_rss_mb: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def run(cmd: list[str]) -> None:
+    print("$", " ".join(cmd[:4]), "..." if len(cmd) > 4 else "", flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, float]:
+    """Run cmd; its stdout and the peak RSS (MB) the kernel recorded for it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    out = proc.stdout.read().decode()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}:\n{out[-2000:]}")
+    return out, usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def llama_cpp_run(binary: Path, gguf: Path, batch: int, args: argparse.Namespace) -> Run:
+    """llama-batched-bench with B parallel sequences; T (its last timing) covers
+    the prompts and the generated tokens."""
+    ctx = batch * (args.input_len + args.output_len)
+    cmd = [str(binary), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512"]
+    cmd += ["-npp", str(args.input_len), "-ntg", str(args.output_len), "-npl", str(batch)]
+    cmd += ["-t", str(args.threads), "--output-format", "jsonl"]
+    # Its shared libraries sit beside it; the library path keeps the build movable.
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+    out, rss = measured(cmd, env)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    (row,) = [r for r in rows if r.get("pl") == batch]
+    return Run(row["t"], batch * args.output_len, rss)
+
+
+ENGINE = """
+import json, random, sys, time
+import torch
+from engine import LLM, SamplingParams
+model, dtype, batch, input_len, output_len, threads = sys.argv[1:7]
+batch, input_len, output_len = int(batch), int(input_len), int(output_len)
+torch.set_num_threads(int(threads))
+# The blocks the batch needs and no more, as llama.cpp gets -c batch * (in + out).
+blocks = batch * -(-(input_len + output_len) // 16)
+llm = LLM(model, dtype=dtype, max_num_seqs=batch, block_size=16, num_kv_blocks=blocks)
+def prompts(n, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(256, 4096) for _ in range(input_len)] for _ in range(n)]
+params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+llm.generate(prompts(min(batch, 8), seed=1), params, use_tqdm=False)  # warm-up, unrelated
+start = time.perf_counter()
+outs = llm.generate(prompts(batch, seed=2), params, use_tqdm=False)
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "tokens": sum(len(o.token_ids) for o in outs)}))
+"""
+
+
+def engine_run(model: Path, dtype: str, batch: int, args: argparse.Namespace) -> Run:
+    cmd = [sys.executable, "-c", ENGINE, str(model), dtype, str(batch)]
+    cmd += [str(args.input_len), str(args.output_len), str(args.threads)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out, rss = measured(cmd, env)
+    row = json.loads(out.strip().splitlines()[-1])
+    return Run(row["seconds"], row["tokens"], rss)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model",
+        default="deepinfer-tiny",
+        help="deepinfer-tiny, qwen3-0.6b-shape, or a checkpoint directory",
+    )
+    parser.add_argument("--batches", default="1,8,64,256")
+    parser.add_argument("--input-len", type=int, default=143)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    llama = llama_source(args.work)
+    binary = build_batched_bench(llama, args.threads)
+    if args.model == "deepinfer-tiny":
+        model = TINY
+    elif args.model == "qwen3-0.6b-shape":
+        model = qwen3_shape(args.work)
+    else:
+        model = Path(args.model)
+    gguf = convert(llama, model, args.work / f"{model.name}-f16.gguf")
+    dtypes = args.dtypes.split(",")
+
+    print(
+        f"\n{model.name}: prompts of {args.input_len} tokens, {args.output_len} new tokens "
+        f"each, greedy; {args.threads} threads; load average "
+        f"{os.getloadavg()[0]:.1f} at start"
+    )
+    header = f"{'batch':>5} {'llama.cpp f16':>14}"
+    for d in dtypes:
+        header += f" {'DeepInfer ' + d:>20} {'ratio':>6}"
+    header += f" {'RSS llama (MB)':>15}" + "".join(f" {'RSS ' + d:>14}" for d in dtypes)
+    print(header)
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ref = llama_cpp_run(binary, gguf, batch, args)
+        ours = [engine_run(model, d, batch, args) for d in dtypes]
+        line = f"{batch:>5} {ref.tokens_per_s:>10,.0f} t/s"
+        for r in ours:
+            line += f" {r.tokens_per_s:>16,.0f} t/s {r.tokens_per_s / ref.tokens_per_s:>5.2f}x"
+        line += f" {ref.peak_rss_mb:>15,.0f}" + "".join(f" {r.peak_rss_mb:>14,.0f}" for r in ours)
+        print(line, flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end; {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+if __name__ == "__main__":
+    main()
