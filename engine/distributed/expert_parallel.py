@@ -22,7 +22,9 @@ from engine.layers.moe import MoE, weighted_sum
 
 @dataclass
 class TrafficCounters:
-    """Bytes this rank sent to other ranks, over all layers and steps."""
+    """Bytes this rank sent to other ranks, over all layers and steps (the
+    all-gather that rebuilds the replicated batch is not counted: it belongs to
+    replicated attention, not to expert parallelism)."""
 
     dispatch_bytes: int = 0  # counts, slot ids and hidden rows, to the experts
     combine_bytes: int = 0  # expert outputs, back to their tokens' ranks
@@ -87,6 +89,9 @@ class ExpertParallel:
         self.traffic = traffic
 
     def forward(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for the whole batch x, every rank alike: this rank
+        routes its share of the tokens, its pairs go to their experts' ranks and
+        come back, and the shares are gathered."""
         lo, hi = token_share(len(x), self.rank, self.world)
         mine = x[lo:hi]
         weights, ids = moe.gate(mine)  # route locally

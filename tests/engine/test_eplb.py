@@ -57,6 +57,9 @@ def test_rebalance_experts_properties(shape, seed) -> None:
             for g in range(groups):
                 assert len(set(node_of_slot[group_of_slot == g].tolist())) == 1
     assert per_gpu * gpus == replicas
+    if experts % gpus == 0:  # the packing itself fills every GPU equally
+        packs = balanced_packing(load[0].tolist(), gpus)
+        assert [packs.count(g) for g in range(gpus)] == [experts // gpus] * gpus
 
 
 def test_balanced_packing_fills_every_pack_equally() -> None:
@@ -65,6 +68,20 @@ def test_balanced_packing_fills_every_pack_equally() -> None:
     assert sorted(packs) == [0, 0, 1, 1, 2, 2, 3, 3]
     sums = [sum(w for w, p in zip(loads, packs) if p == k) for k in range(4)]
     assert sums == [10.0] * 4  # heaviest first into the lightest: 9+1, 8+2, 7+3, 6+4
+
+
+def test_the_heaviest_experts_get_the_copies() -> None:
+    """Expert 5 carries as much as all the others together, expert 9 half that: the
+    spare slots go where a replica's share is largest, and the GPUs come out even."""
+    load = torch.ones(1, 16)
+    load[0, 5], load[0, 9] = 15.0, 7.5
+    phy2log, _, logcnt = rebalance_experts(load, 20, 4, 1, 4)
+    # 4 spare slots: to 5 (15 -> 7.5 a copy), 5 again (tied with 9, lower id), 9, 5:
+    # four copies of 3.75, two of 3.75, and every other expert's 1.
+    assert logcnt[0, 5] == 4 and logcnt[0, 9] == 2
+    assert imbalance(load, phy2log, 4)[0] < imbalance(load, torch.arange(16)[None], 4)[0]
+    per_gpu = [sorted(phy2log[0, g * 5 : (g + 1) * 5].tolist()) for g in range(4)]
+    assert all(5 in slots for slots in per_gpu)  # a copy on every GPU
 
 
 def test_bad_shapes_are_refused() -> None:
