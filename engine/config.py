@@ -262,8 +262,8 @@ class EngineConfig:
                 f"{moe.num_experts} experts + {self.num_redundant_experts} redundant slots "
                 f"do not divide among expert_parallel_size {ep} ranks"
             )
-        if ep > 1 and self.async_scheduling:
-            raise ValueError("expert_parallel_size > 1 needs async_scheduling=False")
+        if (ep > 1 or self.enable_eplb) and self.async_scheduling:
+            raise ValueError("expert parallelism and EPLB need async_scheduling=False")
 
     def _default_backend(self) -> str:
         """Triton's kernels on a GPU. On the CPU, the C++ decode operator when it

@@ -10,6 +10,7 @@ executors do, and nothing above this module changes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from engine.async_model_runner import AsyncModelRunner, StepFuture
@@ -24,13 +25,19 @@ from engine.stats import EngineStats
 
 
 class Executor(ABC):
+    # Called after every step's forward pass, on the engine's side: EPLB's clock.
+    after_step: Callable[[], None] | None = None
+
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank's model runner; their results, rank 0 first."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank. Rank 0 samples, so its output is the step's."""
-        return self.collective_rpc("execute_model", scheduler_output)[0]
+        output = self.collective_rpc("execute_model", scheduler_output)[0]
+        if self.after_step is not None:
+            self.after_step()
+        return output
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         """Start one step and return before it is done (async scheduling): rank 0's

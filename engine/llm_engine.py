@@ -60,6 +60,8 @@ class LLMEngine:
         self.executor = make_executor(config, self.stats)
         self.placement = initial_placement(config)  # where the routed experts are
         self.eplb_reports: list[RebalanceReport] = []
+        if config.enable_eplb:
+            self.executor.after_step = self._eplb_clock
         cache = self.executor.kv_cache_config()
         self.max_model_len = cache.max_model_len
         self.block_manager = BlockManager(
@@ -173,9 +175,13 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(processed.reqs_to_abort, "stop")  # stop strings
         self.stats.step_seconds += time.perf_counter() - start
-        if self.config.enable_eplb and self.stats.steps % self.config.eplb_interval == 0:
-            self.rebalance_experts()
         return processed.request_outputs
+
+    def _eplb_clock(self) -> None:
+        """With enable_eplb, after each step's forward pass: re-place the experts
+        every eplb_interval steps, before the next step runs."""
+        if self.stats.steps % self.config.eplb_interval == 0:
+            self.rebalance_experts()
 
     def sync_expert_stats(self) -> None:
         """Under expert parallelism each rank records its own share: sum them into

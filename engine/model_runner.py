@@ -225,8 +225,7 @@ class ModelRunner:
         else:
             with forward_context(batch.meta, step.attn_metadata, self.backend):
                 hidden = self.model(batch.input_ids, batch.positions)
-        rows = batch.logits_indices if self.rank == 0 else batch.logits_indices[:0]
-        logits = self.model.compute_logits(hidden[rows]).float()
+        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
         self.stats.forward_seconds += time.perf_counter() - start
         return logits
 

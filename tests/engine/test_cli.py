@@ -77,3 +77,15 @@ def test_bench_prints_both_columns_and_the_ratio(qwen3) -> None:
     assert share and 0 < float(share[1]) < 100, out
     mean = re.search(r"4 prompts of 8-16 tokens \(mean (\d+)\), 4 output tokens each", out)
     assert mean and 8 <= int(mean[1]) <= 16, out
+
+
+def test_generate_with_expert_parallelism_and_eplb(deepseek) -> None:
+    """Two ranks, EPLB on a clock: the same greedy text as one process."""
+    prompt = "def schedule(self):"
+    flags = ["--expert-parallel-size", "2", "--eplb", "--num-redundant-experts", "2"]
+    proc = deepinfer("generate", "--model", str(deepseek[0]), "--max-tokens", "12", *flags, prompt)
+    assert proc.returncode == 0, proc.stderr
+    expected = LLM(deepseek[0]).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
+    assert proc.stdout == prompt + expected[0].text + "\n"

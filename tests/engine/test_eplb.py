@@ -154,3 +154,12 @@ def test_output_is_unchanged_by_a_redundant_placement(tiny_moe_reference) -> Non
     engine.sync_expert_stats()
     slots = llm.stats.expert_slot_tokens
     assert slots is not None and slots.shape == (4, 22) and slots.sum() > 0
+
+
+def test_eplb_on_a_clock_keeps_the_output(tiny_moe_reference) -> None:
+    """enable_eplb re-places the experts every eplb_interval steps, mid-generation."""
+    tokens, _ = tiny_moe_reference
+    llm = LLM(TINY_MOE, dtype="float32", enable_eplb=True, eplb_interval=4, num_redundant_experts=4)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == tokens
+    assert len(llm.llm_engine.eplb_reports) == llm.stats.steps // 4 > 0
