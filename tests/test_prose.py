@@ -40,8 +40,6 @@ ALLOWED_NUMBERS: dict[tuple[str, str], str] = {
         "before version 0.6, when scheduling alone took 29% of the execution time "
         "for Llama 3 8B on one H100",
     ): "vLLM's v0.6.0 performance post, linked beside it",
-    ("ch04-moe.md", "across 256 experts"): "the plan for Experiment 12: DeepSeek-V3's "
-    "256 routed experts (n_routed_experts in its config.json), in the not-written-yet box",
     **{
         ("ch07-correctness.md", phrase): "Thinking Machines' published figures (Defeating "
         "Nondeterminism in LLM Inference, and its batch_invariant_ops README), cited there"
@@ -271,6 +269,8 @@ OUTSIDE_NAMES = {
     "hidden_size",
     "intermediate_size",
     "tie_word_embeddings",
+    "n_group",
+    "topk_group",
     # the serving section: the openai client's argument, and the server's environment variable
     "base_url",
     "DEEPINFER_API_KEY",

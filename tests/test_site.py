@@ -41,6 +41,7 @@ READ_FIRST = {
     "ch02": "ch02-blocks-and-preemption/",
     "ch07": "ch07-correctness/",
     "ch03": "ch03-overlap/",
+    "ch04": "ch04-moe/",
 }
 MIN_DIAGRAM_PX = 12.0  # the smallest diagram text a reader should have to read
 MIN_PLOT_PX = 10.5
