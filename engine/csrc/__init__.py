@@ -14,6 +14,7 @@ once and returns False, and the engine keeps to its torch path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -31,6 +32,13 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", "-ffast-math", *([] if portable() else ["-march=native"])]
 
 
+def library_name() -> str:
+    """One cached library per checkout: two checkouts sharing one name would each
+    find the other's build in the cache and rebuild it, every time they alternate."""
+    here = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+    return f"deepinfer_cpu{'_portable' if portable() else ''}_{here}"
+
+
 @functools.cache
 def load() -> bool:
     """Build (or find in the cache) and load the operators; True when they are usable."""
@@ -38,7 +46,7 @@ def load() -> bool:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name="deepinfer_cpu_portable" if portable() else "deepinfer_cpu",
+            name=library_name(),
             sources=[str(s) for s in SOURCES],
             extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],
