@@ -1,4 +1,4 @@
-"""Plot: tokens dropped and slots padded against the capacity factor, from Experiment 15.
+"""Plot: tokens dropped and rows padded against the capacity factor, from Experiment 15.
 
 Usage: python snippets/plots/capacity_tradeoff.py OUT.svg
 The batch, the routers and the counting are the experiment's own, imported by
