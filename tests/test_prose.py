@@ -295,11 +295,15 @@ def dangling(ref: str) -> str | None:
     """Why a quoted name does not resolve, or None when it does (or is not ours)."""
     ref = ref.strip()
     if "/" in ref or FILE_SUFFIX.search(ref):
-        path = ref.split()[0].rstrip(":")
+        path, _, member = ref.split()[0].rstrip(":").partition("::")
         if "*" in path or "NN" in path:
             return None  # a pattern, such as snippets/chNN/demo_*.py
         if path.startswith(REPO_FOLDERS) and not (ROOT / path).exists():
             return f"{path} does not exist"
+        if member and path.startswith(REPO_FOLDERS):  # a test or function in that file
+            defined = rf"^\s*(?:async )?def {re.escape(member)}\b"
+            if not re.search(defined, (ROOT / path).read_text(), re.M):
+                return f"{path} defines no {member}"
         return None
     name = ref.split("=")[0] if re.match(r"^\w+=", ref) else ref
     if not IDENTIFIER.match(name):

@@ -4,9 +4,12 @@ The engine runs prompts (windows of a chapter of this book) with one slot per
 expert, the experts in order on the ranks, and records each rank's tokens.
 Then llm.rebalance_experts() asks EPLB's policy for a placement with REDUNDANT
 extra slots per layer, for the load recorded, and moves every rank to it; the
-same prompts run again. Per MoE layer the demo prints the imbalance (the
-busiest rank's tokens over the mean rank's) measured in each run, checks that
-the tokens are identical, and shows the policy's own estimate for more ranks.
+same prompts run again. Prefix caching is off, so that the second run routes
+the same tokens as the first instead of only those the cache does not hold.
+Per MoE layer the demo prints the imbalance (the busiest rank's rows over the
+mean rank's) measured in each run, next to the policy's own estimate on the
+first run's load; it checks that the tokens are identical, and shows the
+policy's estimate for more ranks.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def estimate(load, experts: int, groups: int, ranks: int, extra: int) -> tuple[f
 
 def main() -> dict:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    llm = LLM(MODEL, dtype="float32", expert_parallel_size=EP)
+    # No prefix cache: the second run must route the tokens the placement was fitted to.
+    llm = LLM(MODEL, dtype="float32", expert_parallel_size=EP, enable_prefix_caching=False)
     engine, batch = llm.llm_engine, prompts(llm)
     first_run = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     cfg = engine.config.hf_config
@@ -48,23 +52,33 @@ def main() -> dict:
     before = engine.rank_imbalance()[:layers]
     load = llm.stats.expert_tokens[:layers].clone()
     report = llm.rebalance_experts(num_redundant=REDUNDANT)
+    estimated = imbalance(load, report.placement.phy2log[:layers], EP)
     second_run = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     after = engine.rank_imbalance()[:layers]
+    second_load = llm.stats.expert_tokens[:layers] - load
     llm.shutdown()
     same = second_run == first_run
+    same_load = bool(torch.equal(second_load, load))
     experts, slots = cfg.moe.num_experts, report.placement.phy2log.shape[1]
     print(f"EP={EP}: {experts} experts; EPLB adds {REDUNDANT} slots")
     print(f"  a layer: {slots} slots, {slots // EP} a rank")
-    print("busiest rank's tokens over the mean, measured:")
-    print(f"{'layer':>5}{'in order':>10}{'EPLB':>8}{'copied':>8}")
+    print(f"(token, expert) pairs a layer, each run: {int(load[0].sum())}")
+    print(f"same pairs in both runs: {same_load}")
+    print("busiest rank's rows over the mean:")
+    print(f"{'':>5}{'measured':>10}{'estimate':>10}{'measured':>10}")
+    print(f"{'layer':>5}{'in order':>10}{'EPLB':>10}{'EPLB':>10}  copied")
     first = cfg.moe.first_k_dense_replace
     placed = report.placement.logcnt[:layers]
     results: dict = {"ep": EP, "redundant": REDUNDANT, "slots": slots, "same_tokens": same}
+    results["pairs_per_layer"] = int(load[0].sum())
+    results["same_load"] = same_load
     for i in range(layers):
         copied = [e for e, n in enumerate(placed[i].tolist()) if n > 1]
         names = ",".join(map(str, copied))
-        print(f"{first + i:>5}{before[i]:>10.3f}{after[i]:>8.3f}  {names}")
+        row = f"{first + i:>5}{before[i]:>10.3f}{estimated[i]:>10.3f}{after[i]:>10.3f}"
+        print(f"{row}  {names}")
         results[f"imbalance_before_layer_{first + i}"] = round(before[i], 4)
+        results[f"estimate_layer_{first + i}"] = round(estimated[i], 4)
         results[f"imbalance_after_layer_{first + i}"] = round(after[i], 4)
         results[f"copied_layer_{first + i}"] = copied
     print(f"tokens identical, before and after: {same}")

@@ -47,6 +47,7 @@ def main() -> dict:
         print(f"{first + i:>5}{hi:>9}{share[hi]:>7.1%}{lo:>8}{share[lo]:>7.1%}{ratio:>10.2f}")
         layer = first + i
         results[f"load_layer_{layer}"] = row.tolist()
+        results[f"busiest_expert_layer_{layer}"] = hi
         results[f"busiest_share_layer_{layer}"] = round(float(share[hi]), 4)
         results[f"idlest_share_layer_{layer}"] = round(float(share[lo]), 4)
         results[f"max_over_mean_layer_{layer}"] = round(ratio, 3)

@@ -54,9 +54,10 @@ def main() -> dict:
     results["dispatch_bytes"] = stats.ep_dispatch_bytes
     results["combine_bytes"] = stats.ep_combine_bytes
     total = sum(stats.ep_dispatch_bytes) + sum(stats.ep_combine_bytes)
-    print(f"all ranks: {total:,} bytes, {total / crossed:.0f} a crossing pair")
+    per_pair = round(total / crossed)  # printed and quoted alike
+    print(f"all ranks: {total:,} bytes, {per_pair} a crossing pair")
     results["total_bytes"] = total
-    results["bytes_per_crossing_pair"] = round(total / crossed, 1)
+    results["bytes_per_crossing_pair"] = per_pair
     return results
 
 

@@ -14,8 +14,8 @@ and the loads come out even.
 The load is DeepSeek-V3's shape: 256 experts in 8 groups, and the prefill
 deployment's 4 nodes of 8 GPUs. Each expert's token count is drawn from a
 seeded skewed popularity. A placement is fitted to one batch's counts and then
-measured on the next batch's, drawn from the same popularity: the recorded
-load only estimates the coming one. Imbalance is the busiest GPU's tokens over
+measured on each of the next NEXT_BATCHES batches, drawn from the same
+popularity, and averaged: the recorded load only estimates the coming one. Imbalance is the busiest GPU's tokens over
 the mean GPU's.
 """
 
@@ -33,6 +33,7 @@ GPUS_PER_NODE = 8
 # nodes -> spare slots (redundant experts); 4 nodes and 32 spares are
 # DeepSeek's prefill deployment, 9 experts to a GPU.
 DEPLOYMENTS = {4: [0, 32, 64], 8: [0, 64]}
+NEXT_BATCHES = 8  # batches after the fitted one, each measured, then averaged
 
 
 def popularity(seed: int = SEED) -> list[float]:
@@ -130,13 +131,16 @@ def nodes_per_group(placement: list[tuple]) -> int:
 
 
 def main() -> dict:
-    fit, test = batch_load(0), batch_load(1)
+    fit = batch_load(0)
+    tests = [batch_load(b) for b in range(1, NEXT_BATCHES + 1)]
     print(f"{EXPERTS} experts in {GROUPS} groups; {GPUS_PER_NODE} GPUs a node")
     print(f"{TOKENS:,} tokens x top-{TOP_K} a batch; fitted on one batch,")
-    print("measured on it and on the next; busiest GPU / mean")
+    print(f"measured on it and, averaged, on the next {NEXT_BATCHES}")
+    print("batches; busiest GPU / mean")
     policies = {"identity": identity, "hierarchical": hierarchical, "global": global_policy}
     results: dict = {"experts": EXPERTS, "groups": GROUPS, "tokens": TOKENS}
     results["gpus_per_node"] = GPUS_PER_NODE
+    results["next_batches"] = NEXT_BATCHES
     for nodes, spares_list in DEPLOYMENTS.items():
         gpus = nodes * GPUS_PER_NODE
         print()
@@ -149,7 +153,8 @@ def main() -> dict:
             for spares in spares_list[:1] if name == "identity" else spares_list:
                 placement = policy(fit, nodes, spares)
                 assert len(placement) == EXPERTS + spares
-                row = (imbalance(placement, fit), imbalance(placement, test))
+                after = sum(imbalance(placement, t) for t in tests) / NEXT_BATCHES
+                row = (imbalance(placement, fit), after)
                 span = nodes_per_group(placement)
                 print(f"{name:<13} {spares:>6} {row[0]:>7.3f} {row[1]:>6.3f} {span:>10}")
                 key = f"ep{gpus}_{name}_{spares}"

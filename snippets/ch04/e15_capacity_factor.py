@@ -3,14 +3,14 @@
 Some MoE implementations give every expert a fixed capacity: the capacity
 factor times its fair share of the batch, T * k / E tokens. Tokens routed
 beyond it are dropped (they skip the expert, and only the residual carries
-them on), and slots left empty are padding, computed for nothing. Dropless
+them on), and rows left empty are padding, computed for nothing. Dropless
 dispatch, which DeepSeek-V3 and this engine use, drops no token: each expert
 runs on exactly the rows it was sent, however many.
 
 Each expert's token count is drawn from a seeded popularity, as in Experiment
 14: once with every expert equally popular, as a well-balanced router would
 make them, and once skewed. The first table counts dropped tokens and padding
-slots at each capacity factor for one batch. The second asks what capacity
+rows at each capacity factor for one batch. The second asks what capacity
 factor a batch needs to drop nothing, for batches from decode's size up to
 prefill's: the capacity a fixed buffer needs, which dropless dispatch makes
 unnecessary.
@@ -48,14 +48,14 @@ def capacity(factor: float, tokens: int) -> int:
 
 
 def dropped_and_padding(counts: list[int], cap: int) -> tuple[float, float]:
-    """Share of routed tokens dropped; share of the E * cap slots left empty."""
+    """Share of routed tokens dropped; share of the E * cap rows left empty."""
     kept = sum(min(n, cap) for n in counts)
     return 1 - kept / sum(counts), 1 - kept / (EXPERTS * cap)
 
 
 def dropless(counts: list[int]) -> tuple[float, float]:
-    """Each expert gets exactly the rows it was sent: as many slots as tokens."""
-    rows = list(counts)  # each expert's slots: one per token it was sent
+    """Each expert gets exactly the rows it was sent: as many rows as tokens."""
+    rows = list(counts)  # each expert's rows: one per token it was sent
     return 1 - sum(rows) / sum(counts), 1 - sum(counts) / sum(rows)
 
 

@@ -29,7 +29,7 @@ def main(out: str) -> None:
             lw=1.4,
             label=label,
         )
-    ax.axhline(1, color="grey", lw=0.6)
+    ax.axhline(1, color="grey", lw=0.6, label="mean")
     ax.set_xscale("log")
     ticks = [2**i for i in range(0, e12.EXPERTS.bit_length(), 2)]  # 1, 4, 16, ...
     ax.set_xticks(ticks, [str(t) for t in ticks])  # plain text, no mathtext powers
