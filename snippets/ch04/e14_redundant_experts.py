@@ -15,8 +15,8 @@ The load is DeepSeek-V3's shape: 256 experts in 8 groups, and the prefill
 deployment's 4 nodes of 8 GPUs. Each expert's token count is drawn from a
 seeded skewed popularity. A placement is fitted to one batch's counts and then
 measured on each of the next NEXT_BATCHES batches, drawn from the same
-popularity, and averaged: the recorded load only estimates the coming one. Imbalance is the busiest GPU's tokens over
-the mean GPU's.
+popularity, and averaged: the recorded load only estimates the coming one.
+Imbalance is the busiest GPU's tokens over the mean GPU's.
 """
 
 from __future__ import annotations
