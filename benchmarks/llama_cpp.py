@@ -179,13 +179,17 @@ def llama_cpp_run(binary: Path, gguf: Path, batch: int, args: argparse.Namespace
     cmd += ["-t", str(args.threads), "--output-format", "jsonl", "--fit", "off"]
     # Its shared libraries sit beside it; the library path keeps the build movable.
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
-    out, rss = measured(cmd, env)
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    found = [r for r in rows if r.get("pl") == batch]
-    if not found:  # it skips, silently, a batch whose tokens exceed its context
-        raise RuntimeError(f"llama-batched-bench measured no batch of {batch}:\n{out[-2000:]}")
-    row = found[0]
-    return Run(row["t"], batch * args.output_len, rss)
+    # Its logger prints from a thread of its own, which the process may leave
+    # unflushed at exit (llama.cpp issue 22142): a run that printed nothing runs again.
+    for _ in range(5):
+        out, rss = measured(cmd, env)
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        found = [r for r in rows if r.get("pl") == batch]
+        if found:
+            return Run(found[0]["t"], batch * args.output_len, rss)
+        if out.strip():  # it skips, silently, a batch whose tokens exceed its context
+            break
+    raise RuntimeError(f"llama-batched-bench measured no batch of {batch}:\n{out[-2000:]}")
 
 
 ENGINE = """
