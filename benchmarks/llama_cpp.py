@@ -193,18 +193,19 @@ def llama_cpp_run(binary: Path, gguf: Path, batch: int, args: argparse.Namespace
 
 
 ENGINE = """
-import json, random, sys, time
+import json, sys, time
 import torch
 from engine import LLM, SamplingParams
+from engine.tools.bench import random_prompts
 model, dtype, batch, input_len, output_len, threads = sys.argv[1:7]
 batch, input_len, output_len = int(batch), int(input_len), int(output_len)
 torch.set_num_threads(int(threads))
 # The blocks the batch needs and no more, as llama.cpp gets -c batch * (in + out).
 blocks = batch * -(-(input_len + output_len) // 16)
 llm = LLM(model, dtype=dtype, max_num_seqs=batch, block_size=16, num_kv_blocks=blocks)
+vocab = llm.llm_engine.config.hf_config.vocab_size
 def prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(256, 4096) for _ in range(input_len)] for _ in range(n)]
+    return random_prompts(n, input_len, input_len, vocab, seed)
 params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 llm.generate(prompts(min(batch, 8), seed=1), params, use_tqdm=False)  # warm-up, unrelated
 start = time.perf_counter()

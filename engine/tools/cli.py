@@ -148,6 +148,14 @@ def _expert_parallel(args: argparse.Namespace) -> dict:
     }
 
 
+def _add_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 or bfloat16; default: bf16 where the CPU is fast at it",
+    )
+
+
 def _add_expert_parallel(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--expert-parallel-size",
@@ -182,11 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None)
-    gen.add_argument(
-        "--dtype",
-        default=None,
-        help="float32 or bfloat16; default: bf16 where the CPU is fast at it",
-    )
+    _add_dtype(gen)
     gen.add_argument("--max-model-len", type=int, default=None)
     _add_expert_parallel(gen)
     gen.set_defaults(func=_generate)
@@ -214,11 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     serve.add_argument("--device", default=None)
-    serve.add_argument(
-        "--dtype",
-        default=None,
-        help="float32 or bfloat16; default: bf16 where the CPU is fast at it",
-    )
+    _add_dtype(serve)
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=256)

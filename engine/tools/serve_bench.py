@@ -16,27 +16,18 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
 
 import httpx
 import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.tools.bench import random_prompts
+from engine.tools.bench import Result, random_prompts
 from engine.tools.launch import launched
 
 
-@dataclass
-class Measured:
-    seconds: float
-    output_tokens: int
-    ttft_ms: list[float]
-    itl_ms: list[float]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
+class Measured(Result):
+    """bench's Result, and the tail of its TTFTs."""
 
     def p99_ttft(self) -> float:
         ordered = sorted(self.ttft_ms)
