@@ -197,12 +197,15 @@ import json, sys, time
 import torch
 from engine import LLM, SamplingParams
 from engine.tools.bench import random_prompts
-model, dtype, batch, input_len, output_len, threads = sys.argv[1:7]
+model, dtype, batch, input_len, output_len, threads, compiled = sys.argv[1:8]
 batch, input_len, output_len = int(batch), int(input_len), int(output_len)
 torch.set_num_threads(int(threads))
 # The blocks the batch needs and no more, as llama.cpp gets -c batch * (in + out).
 blocks = batch * -(-(input_len + output_len) // 16)
-llm = LLM(model, dtype=dtype, max_num_seqs=batch, block_size=16, num_kv_blocks=blocks)
+llm = LLM(
+    model, dtype=dtype, max_num_seqs=batch, block_size=16, num_kv_blocks=blocks,
+    compile_decode=compiled == "1",
+)
 vocab = llm.llm_engine.config.hf_config.vocab_size
 def prompts(n, seed):
     return random_prompts(n, input_len, input_len, vocab, seed)
@@ -215,9 +218,28 @@ print(json.dumps({"seconds": seconds, "tokens": sum(len(o.token_ids) for o in ou
 """
 
 
-def engine_run(model: Path, dtype: str, batch: int, args: argparse.Namespace) -> Run:
-    cmd = [sys.executable, "-c", ENGINE, str(model), dtype, str(batch)]
-    cmd += [str(args.input_len), str(args.output_len), str(args.threads)]
+TRANSFORMERS = """
+import json, sys
+import torch
+from engine.tools.bench import load_transformers, random_prompts, run_transformers
+model, dtype, batch, input_len, output_len, threads = sys.argv[1:7]
+batch, input_len, output_len = int(batch), int(input_len), int(output_len)
+torch.set_num_threads(int(threads))
+dtype = getattr(torch, dtype)
+hf = load_transformers(model, "cpu", dtype)
+vocab = hf.config.vocab_size
+def prompts(n, seed):
+    return random_prompts(n, input_len, input_len, vocab, seed)
+run_transformers(model, prompts(min(batch, 8), seed=1), 4, "cpu", dtype, hf)  # warm-up
+r = run_transformers(model, prompts(batch, seed=2), output_len, "cpu", dtype, hf)
+print(json.dumps({"seconds": r.seconds, "tokens": r.output_tokens}))
+"""
+
+
+def python_run(script: str, model: Path, dtype: str, batch: int, args, *extra: str) -> Run:
+    """The engine or transformers, in a process of its own, on the same workload."""
+    cmd = [sys.executable, "-c", script, str(model), dtype, str(batch)]
+    cmd += [str(args.input_len), str(args.output_len), str(args.threads), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out, rss = measured(cmd, env)
     row = json.loads(out.strip().splitlines()[-1])
@@ -238,6 +260,16 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=143)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="also run each dtype with compile_decode=True (its compile is in the warm-up)",
+    )
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also run transformers' generate, in the first dtype",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work")
     args = parser.parse_args()
@@ -253,24 +285,33 @@ def main() -> None:
         model = Path(args.model)
     gguf = convert(llama, model, args.work / f"{model.name}-f16.gguf")
     dtypes = args.dtypes.split(",")
+    # (column label, how to run it)
+    sides = [(f"DeepInfer {d}", (ENGINE, d, "0")) for d in dtypes]
+    if args.compile_decode:
+        sides += [(f"{d}+compile", (ENGINE, d, "1")) for d in dtypes]
+    if args.transformers:
+        sides.append((f"transformers {dtypes[0]}", (TRANSFORMERS, dtypes[0])))
 
     print(
         f"\n{model.name}: prompts of {args.input_len} tokens, {args.output_len} new tokens "
         f"each, greedy; {args.threads} threads; load average "
         f"{os.getloadavg()[0]:.1f} at start"
     )
+    print("output tokens/s, each side's ratio to llama.cpp's, and peak RSS (MB) per process")
     header = f"{'batch':>5} {'llama.cpp f16':>14}"
-    for d in dtypes:
-        header += f" {'DeepInfer ' + d:>20} {'ratio':>6}"
-    header += f" {'RSS llama (MB)':>15}" + "".join(f" {'RSS ' + d:>14}" for d in dtypes)
+    for label, _ in sides:
+        header += f" {label:>22} {'ratio':>6}"
+    header += f" {'RSS llama':>10}" + "".join(f" {'RSS ' + label[-8:]:>13}" for label, _ in sides)
     print(header)
     for batch in [int(b) for b in args.batches.split(",")]:
         ref = llama_cpp_run(binary, gguf, batch, args)
-        ours = [engine_run(model, d, batch, args) for d in dtypes]
+        ours = [
+            python_run(script, model, how[0], batch, args, *how[1:]) for _, (script, *how) in sides
+        ]
         line = f"{batch:>5} {ref.tokens_per_s:>10,.0f} t/s"
         for r in ours:
-            line += f" {r.tokens_per_s:>16,.0f} t/s {r.tokens_per_s / ref.tokens_per_s:>5.2f}x"
-        line += f" {ref.peak_rss_mb:>15,.0f}" + "".join(f" {r.peak_rss_mb:>14,.0f}" for r in ours)
+            line += f" {r.tokens_per_s:>18,.0f} t/s {r.tokens_per_s / ref.tokens_per_s:>5.2f}x"
+        line += f" {ref.peak_rss_mb:>10,.0f}" + "".join(f" {r.peak_rss_mb:>13,.0f}" for r in ours)
         print(line, flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end; {time.strftime('%Y-%m-%d %H:%M')}")
 

@@ -15,11 +15,13 @@ import torch
 
 from engine.attention import AttentionMetadata, forward_context, get_backend
 from engine.batch_invariant import use_fixed_row_tiles
+from engine.compiled_decode import CompiledDecode, can_compile, compile_by_default
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.distributed.expert_parallel import ExpertLoad, TrafficCounters, attach
 from engine.distributed.placement import ExpertPlacement, initial_placement
 from engine.kv_cache import KVCacheConfig, KVCachePool
+from engine.layers.linear import can_pack, pack_linears
 from engine.layers.sampler import GrammarMask, Sampler, SamplingMetadata, SamplingRow
 from engine.loader import iterate_weights, load_model
 from engine.outputs import ModelRunnerOutput
@@ -77,6 +79,10 @@ class ModelRunner:
         self.model = load_model(config, local)
         if config.batch_invariant:
             use_fixed_row_tiles(self.model)
+        elif getattr(self.model, "supports_packed_linears", False) and can_pack(
+            self.device, config.dtype
+        ):
+            pack_linears(self.model)  # a CPU's matmuls, from weights laid out for them
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._bind_expert_counts()
@@ -85,6 +91,7 @@ class ModelRunner:
             self.traffic = attach(self.model, self.placement, rank, self.device)
         self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
         self.max_model_len = self.kv_cache.max_model_len
+        self.compiled = self._compiled_decode()
         self.graphs: CUDAGraphRunner | None = None
         if (
             self.device.type == "cuda"
@@ -102,6 +109,17 @@ class ModelRunner:
                 config.dtype,
                 self.device,
             )
+
+    def _compiled_decode(self) -> CompiledDecode | None:
+        want = self.config.compile_decode
+        why_not = can_compile(self.model, self.device)
+        if want and self.config.enforce_eager:
+            why_not = "enforce_eager=True asks for no compilation"
+        if want and why_not:
+            raise ValueError(f"compile_decode=True cannot be honoured: {why_not}")
+        if want is None:
+            want = why_not is None and not self.config.enforce_eager and compile_by_default()
+        return CompiledDecode(self.model) if want else None
 
     def _bind_expert_counts(self) -> None:
         """Every MoE layer counts its tokens into a row of one tensor in the stats."""
@@ -224,8 +242,10 @@ class ModelRunner:
         if step.graph:  # decodes only, on the GPU: replay the captured kernels
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
+            compiled = self.compiled is not None and self.compiled.can_run(batch.meta)
+            model = self.compiled if compiled else self.model
             with forward_context(batch.meta, step.attn_metadata, self.backend):
-                hidden = self.model(batch.input_ids, batch.positions)
+                hidden = model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
         self.stats.forward_seconds += time.perf_counter() - start
         return logits

@@ -12,8 +12,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -23,61 +30,108 @@ namespace {
 // (which vectorizes exp) never meets an infinity; exp(kNoScore - x) is 0.
 constexpr float kNoScore = -1e30f;
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
+// Eight float32 lanes. GCC and Clang lower this type to the target's vectors
+// (an AVX2 register, half an AVX-512 one, two NEON ones), so the arithmetic
+// below is vectorized whatever the auto-vectorizer would decide: it left the
+// plain loops this file first had scalar.
+using f32x8 = float __attribute__((vector_size(32)));
+using u16x8 = uint16_t __attribute__((vector_size(16)));
+using u32x8 = uint32_t __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+constexpr int64_t kMaxChunks = 32;  // head_dim at most 256
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x8 load8(const at::BFloat16* p) {  // a bfloat16 is a float32's top half
+#if defined(__AVX2__)  // one widening instruction, where the generic code takes three
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<f32x8>(_mm256_slli_epi32(w, 16));
+#else
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<f32x8>(__builtin_convertvector(h, u32x8) << 16);
+#endif
+}
+inline float hsum(f32x8 v) {
   float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < n; ++d) s += q[d] * static_cast<float>(k[d]);
+  for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
+}
+
+// Ask for a block's rows (this head's `dim` values of each) before they are
+// needed: the block table jumps about the cache, which defeats the hardware
+// prefetcher, since it follows strides.
+template <typename T>
+inline void prefetch_rows(const T* k, const T* v, int64_t rows, int64_t row_stride, int64_t dim) {
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k + t * row_stride) + b);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + t * row_stride) + b);
+    }
 }
 
 // --8<-- [start:one_kv_head]
 // One sequence, one KV head, its `group` query heads: attention over `len`
-// cached tokens, read block by block through `table`.
-template <typename T>
+// cached tokens, read block by block through `table`. A head is C vectors of 8
+// lanes: a constant for the common head sizes, so that the compiler unrolls the
+// loops over it and keeps vectors in registers (see attend_all); else `chunks`.
+template <typename T, int64_t N>
 void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                int64_t len, int64_t bs, int64_t row_stride, int64_t group, int64_t dim,
-                float scale, T* out, std::vector<float>& work) {
-  work.assign(group * (2 * dim + bs + 2), 0.f);
-  float* qs = work.data();            // [group, dim] the queries, scaled
-  float* acc = qs + group * dim;      // [group, dim] running sum of p * v
-  float* p = acc + group * dim;       // [group, bs] this block's scores, then weights
-  float* max = p + group * bs;        // [group] running max score
-  float* sum = max + group;           // [group] running sum of exp(score - max)
-  for (int64_t i = 0; i < group * dim; ++i) qs[i] = scale * static_cast<float>(q[i]);
+                int64_t len, int64_t bs, int64_t row_stride, int64_t group, int64_t chunks,
+                float scale, T* out, std::vector<f32x8>& work, std::vector<float>& p) {
+  const int64_t C = N ? N : chunks;
+  work.assign(2 * group * C, f32x8{});
+  p.assign(group * bs + 2 * group, 0.f);
+  f32x8* qs = work.data();             // [group, C] the queries, scaled
+  f32x8* acc = qs + group * C;         // [group, C] running sum of p * v
+  float* max = p.data() + group * bs;  // [group] running max score
+  float* sum = max + group;            // [group] running sum of exp(score - max)
+  const int64_t dim = C * kLanes;
+  for (int64_t i = 0; i < group * C; ++i) qs[i] = scale * load8(q + i * kLanes);
   std::fill(max, max + group, kNoScore);
   for (int64_t start = 0; start < len; start += bs) {
     const int64_t n = std::min(bs, len - start);  // the last block may be partial
     const int64_t row0 = static_cast<int64_t>(table[start / bs]) * bs * row_stride;
     const T* k = k_cache + row0;
     const T* v = v_cache + row0;
-    for (int64_t t = 0; t < n; ++t)  // each key row is loaded once for the whole group
-      for (int64_t g = 0; g < group; ++g)
-        p[g * bs + t] = dot(qs + g * dim, k + t * row_stride, dim);
+    if (start + bs < len) {  // ask for the next block while this one is worked on
+      const int64_t next = static_cast<int64_t>(table[start / bs + 1]) * bs * row_stride;
+      prefetch_rows(k_cache + next, v_cache + next, bs, row_stride, dim);
+    }
+    for (int64_t t = 0; t < n; ++t) {  // each key row is loaded once for the whole group
+      f32x8 kt[N ? N : kMaxChunks];
+      for (int64_t c = 0; c < C; ++c) kt[c] = load8(k + t * row_stride + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) {
+        f32x8 s0 = qs[g * C] * kt[0], s1 = f32x8{};  // two chains, half as long
+        for (int64_t c = 1; c < C; ++c) (c % 2 ? s1 : s0) += qs[g * C + c] * kt[c];
+        p[g * bs + t] = hsum(s0 + s1);
+      }
+    }
     for (int64_t g = 0; g < group; ++g) {
       // Online softmax: rescale what came before to the new max, then add this block.
-      float* s = p + g * bs;
+      float* s = p.data() + g * bs;
       const float new_max = std::max(max[g], *std::max_element(s, s + n));
       const float keep = std::exp(max[g] - new_max);
       float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
       for (int64_t t = 0; t < n; ++t) {
         s[t] = std::exp(s[t] - new_max);
         block_sum += s[t];
       }
       sum[g] = sum[g] * keep + block_sum;
       max[g] = new_max;
-      float* a = acc + g * dim;
-      for (int64_t t = 0; t < n; ++t) {
-        const T* vt = v + t * row_stride;
-        const float w = t == 0 ? keep : 1.f;  // the rescale rides on the first token's pass
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] = a[d] * w + s[t] * static_cast<float>(vt[d]);
-      }
+      f32x8 a[N ? N : kMaxChunks];  // this head's sum, in registers while values stream by
+      for (int64_t c = 0; c < C; ++c) a[c] = acc[g * C + c] * keep;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = 0; c < C; ++c) a[c] += s[t] * load8(v + t * row_stride + c * kLanes);
+      for (int64_t c = 0; c < C; ++c) acc[g * C + c] = a[c];
     }
   }
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g * dim + d] / sum[g]);
+    for (int64_t d = 0; d < dim; ++d)
+      out[g * dim + d] = static_cast<T>(acc[g * C + d / kLanes][d % kLanes] / sum[g]);
 }
 // --8<-- [end:one_kv_head]
 
@@ -95,12 +149,25 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   T* op = out.data_ptr<T>();
   const int64_t table_width = tables.size(1);
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work;  // one scratch buffer per thread, reused across its tasks
+    std::vector<f32x8> work;  // scratch buffers per thread, reused across its tasks
+    std::vector<float> p;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
       const int64_t at = (s * heads + h * group) * dim;  // this head's query rows
-      attend_one<T>(qp + at, kp + h * dim, vp + h * dim, tp + s * table_width, lp[s], block_size,
-                    row_stride, group, dim, static_cast<float>(scale), op + at, work);
+      const T* qh = qp + at;
+      const int32_t* table = tp + s * table_width;
+      auto one = [&](auto n) {
+        attend_one<T, decltype(n)::value>(qh, kp + h * dim, vp + h * dim, table, lp[s],
+                                          block_size, row_stride, group, dim / kLanes,
+                                          static_cast<float>(scale), op + at, work, p);
+      };
+      if (dim == 64) {  // the head sizes most models use, compiled with loops unrolled
+        one(std::integral_constant<int64_t, 8>{});
+      } else if (dim == 128) {
+        one(std::integral_constant<int64_t, 16>{});
+      } else {
+        one(std::integral_constant<int64_t, 0>{});
+      }
     }
   });
 }
@@ -112,6 +179,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "q [seqs, heads, dim], cache [blocks, size, kv_heads, dim]");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the cache disagree on head_dim");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kLanes * kMaxChunks,
+              "paged_decode_attention: head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
               "q, k_cache and v_cache must share a dtype");

@@ -3,6 +3,9 @@ then attend over everything the cache holds for each sequence."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -18,6 +21,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: PagedKV | None = None  # this layer's blocks; KVCachePool binds them
+        self.index = 0  # its place among the model's attention layers (compiled_layers)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> FullAttentionSpec:
         """What this layer caches for every token: a key and a value per KV head."""
@@ -29,6 +33,43 @@ class Attention(nn.Module):
         The new keys and values are written first, so that a sequence's queries
         see its own new tokens through the same cache as its earlier ones.
         """
+        if torch.compiler.is_compiling():  # one opaque operator: see compiled_decode.py
+            return torch.ops.deepinfer.attention(q, k, v, self.index)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         ctx.backend.store_kvcache(k, v, self.kv_cache, ctx.meta.slot_mapping)
         return ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
+
+
+_compiled: Sequence[Attention] = ()  # the layers of the compiled forward pass now running
+
+
+@contextmanager
+def compiled_layers(layers: Sequence[Attention]) -> Iterator[None]:
+    """Let the operator below find the running model's layers by index. An index,
+    not the layer itself, goes into the graph: the same in every process, so the
+    compiled code cached on disk by one run serves the next."""
+    global _compiled
+    for i, layer in enumerate(layers):
+        layer.index = i
+    _compiled = layers
+    try:
+        yield
+    finally:
+        _compiled = ()
+
+
+@torch.library.custom_op("deepinfer::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Attention.attend as one operator, for a compiled forward pass. It writes
+    the layer's cache in place, a side effect the compiler is not told of: no
+    other operator in the graph reads the cache, so no order is lost, and the
+    cache, absent from the graph, can be neither copied nor functionalized."""
+    return _compiled[layer].attend(q, k, v)
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)  # what the compiler needs to know: the output's shape

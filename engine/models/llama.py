@@ -114,6 +114,9 @@ PACKED_MODULES = {
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_compile = True  # its decode step can run through torch.compile
+    supports_packed_linears = True  # nothing reads its linear layers' weights directly
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg

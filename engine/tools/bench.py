@@ -179,6 +179,8 @@ def engine_side(
     mean_ctx = statistics.mean(work.lengths) + 1 + 8  # mid-way through the 16 timed steps
     floor_ms, why = decode_floor_ms(llm, len(work.lengths), mean_ctx)
     extra = dict(step_ms=step_s * 1e3, outside=outside, floor_ms=floor_ms, floor_why=why)
+    compiled = llm.llm_engine.executor.model_runner.compiled
+    extra["compile_s"] = compiled.compile_seconds if compiled else None
     cfg = llm.llm_engine.config
     extra["kv_lines"] = kv_cache_lines(llm, kv_baselines)
     return Side(runs, peak_rss_mb(), _name(cfg.dtype), torch.get_num_threads(), extra)
@@ -386,6 +388,11 @@ def run(
         lines.append(
             f"engine / transformers output tokens/s: {best:.2f}x best to best, "
             f"{med:.2f}x median to median; peak RSS {ours.peak_rss_mb / theirs.peak_rss_mb:.2f}x"
+        )
+    if e["compile_s"] is not None:
+        lines.append(
+            f"decode steps ran compiled (torch.compile), compiled during the warm-up "
+            f"in {e['compile_s']:.1f} s, which no figure above includes"
         )
     lines += ["", *e["kv_lines"]]
     return "\n".join(lines)

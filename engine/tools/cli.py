@@ -38,6 +38,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        compile_decode=args.compile_decode,
         **_expert_parallel(args),
     )
     params = SamplingParams(
@@ -70,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        compile_decode=args.compile_decode,
     )
     config = ServerConfig(
         engine,
@@ -132,6 +134,7 @@ def _bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             device=args.device,
             dtype=args.dtype,
+            compile_decode=args.compile_decode,
             max_num_seqs=max(args.num_prompts, 1),
             **_expert_parallel(args),
         )
@@ -153,6 +156,15 @@ def _add_dtype(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         help="float32 or bfloat16; default: bf16 where the CPU is fast at it",
+    )
+
+
+def _add_compile(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run decode steps through torch.compile (CPU; costs seconds once)",
     )
 
 
@@ -191,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None)
     _add_dtype(gen)
+    _add_compile(gen)
     gen.add_argument("--max-model-len", type=int, default=None)
     _add_expert_parallel(gen)
     gen.set_defaults(func=_generate)
@@ -219,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     serve.add_argument("--device", default=None)
     _add_dtype(serve)
+    _add_compile(serve)
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=256)
@@ -285,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per side")
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default=None, help="both sides' dtype; default: the engine's")
+    _add_compile(bench)
     bench.add_argument(
         "--kv-baseline",
         action="append",

@@ -1,0 +1,90 @@
+"""The decode step, compiled: torch.compile over the model's forward pass.
+
+A decode step on the CPU runs a few hundred small torch operations per layer:
+the norms, the rotary embedding, the residual adds, SiLU. Each is a dispatch
+from Python and a pass over memory. torch.compile traces the forward pass once
+into a graph, and Inductor fuses those elementwise runs into a few loops of
+generated C++. The matmuls stay library calls, and attention stays the
+backend's: under compilation each attention layer is one opaque operator,
+``deepinfer::attention`` (engine/layers/attention.py), which writes the new
+keys and values into the cache and attends over it. The cache never enters the
+graph, so the compiler can neither copy it nor see the per-layer views it is
+read through.
+
+Only steps in which every sequence decodes run compiled: their shapes differ
+only in the batch size, which ``dynamic=True`` keeps symbolic, so one graph
+serves every batch (Dynamo specializes a batch of 1 and compiles it once more).
+Compiling takes seconds; Inductor caches what it built on disk
+(TORCHINDUCTOR_CACHE_DIR), so a later process compiles faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.layers.attention import compiled_layers
+
+logger = logging.getLogger(__name__)
+
+
+def can_compile(model: nn.Module, device: torch.device) -> str | None:
+    """Why the decode step of this model on this device cannot be compiled, or None."""
+    if device.type != "cpu":
+        return "it is for the CPU; on CUDA the decode step replays CUDA graphs"
+    if not getattr(model, "supports_compile", False):
+        return f"{type(model).__name__} does not support it (dense Llama and Qwen models do)"
+    return None
+
+
+def compile_by_default() -> bool:
+    """Whether compile_decode=None compiles: see the closing measurements."""
+    return False
+
+
+class CompiledDecode:
+    """The model's forward pass for decode-only steps, through torch.compile."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.fn: Callable[..., torch.Tensor] = torch.compile(model.forward, dynamic=True)
+        self.layers = model.attention_layers()
+        self.compile_seconds = 0.0  # the calls that compiled, summed
+        self.compiles = 0
+        self.steps = 0  # steps run through the compiled graph
+
+    @staticmethod
+    def can_run(meta: AttentionMetadata) -> bool:
+        return meta.num_decodes == len(meta.query_lens_cpu)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        graphs = _graphs_compiled()
+        start = time.perf_counter()
+        # Unbacked: the batch size is "any size", so that a batch of one does not
+        # get a graph of its own (and a second compile).
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        with compiled_layers(self.layers):
+            hidden = self.fn(input_ids, positions)
+        self.steps += 1
+        if _graphs_compiled() > graphs:  # this call traced and compiled a graph
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            self.compiles += 1
+            hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+            logger.info(
+                "DeepInfer: compiled the decode step (batch %d) in %.1f s; "
+                "Inductor cache hits so far: %d",
+                input_ids.shape[0],
+                seconds,
+                hits,
+            )
+        return hidden
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -1,0 +1,77 @@
+"""Linear layers on the CPU, with their weights packed once for oneDNN.
+
+A matmul library multiplies fastest from a weight laid out in the tiles its
+kernel reads, not in PyTorch's row-major order. Given a row-major weight, it
+reorders it on every call, and for a decode step's few rows that reordering
+costs as much as the arithmetic. Packing each weight once, after loading,
+removes it. (Inductor does the same
+when it freezes a graph; doing it here serves the eager and compiled paths
+alike.) The packed copy replaces the original, so memory does not double.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward, from a weight in oneDNN's blocked layout."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # any batch size
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():  # Inductor cannot lower it for any batch size
+            y = torch.ops.deepinfer.packed_linear(flat, self.packed, self.bias, self.out_features)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("deepinfer::packed_linear", mutates_args=())
+def packed_linear(  # the same call, opaque to the compiler
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+    return x.new_empty(x.shape[0], out_features)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace the model's nn.Linear layers by packed ones, except any whose weight
+    is shared with another parameter (a tied LM head): packing would copy it.
+    Returns how many were packed."""
+    shared = _shared_weights(model)
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and id(child.weight) not in shared
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child))
+    return len(swaps)
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
