@@ -3,6 +3,7 @@
     python benchmarks/llama_cpp.py                          # deepinfer-tiny, batches 1 8 64 256
     python benchmarks/llama_cpp.py --model qwen3-0.6b-shape --batches 1,8,64
     python benchmarks/llama_cpp.py --dtypes bfloat16,float32 --input-len 143 --output-len 64
+    python benchmarks/llama_cpp.py --dtypes bfloat16 --compile-decode --transformers
 
 What it does, caching each step under --work (default benchmarks/.work):
 
@@ -17,8 +18,10 @@ What it does, caching each step under --work (default benchmarks/.work):
 3. For every batch size B: B prompts of --input-len tokens, --output-len new tokens each,
    greedy, no early stop. llama.cpp runs `llama-batched-bench` (one process per B);
    DeepInfer runs `LLM.generate` (one process per B and dtype, warmed up first on an
-   unrelated batch). Each side's time covers prefill and decode; its peak RSS is the
-   process's own, from the kernel (wait4).
+   unrelated batch; with --compile-decode, also with compile_decode=True, whose compile
+   happens at start-up, outside the timed run); with --transformers, transformers'
+   `generate` runs too, warmed up alike. Each side's time covers prefill and decode; its
+   peak RSS is the process's own, from the kernel (wait4).
 
 It prints one table: output tokens/s of each side, their ratio, and peak RSS. One run,
 on whatever else the machine is doing: read the ratios, not the absolute numbers, and
@@ -124,17 +127,24 @@ def convert(llama: Path, model: Path, out: Path) -> Path:
 # ---------------------------------------------------------------- models
 
 
+BUILD_QWEN3_SHAPE = """
+import json, sys
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+torch.manual_seed(0)
+model = Qwen3ForCausalLM(Qwen3Config(**json.loads(sys.argv[2]))).to(torch.bfloat16)
+model.save_pretrained(sys.argv[1])
+"""
+
+
 def qwen3_shape(work: Path) -> Path:
     """Qwen3-0.6B's shapes with random weights (bf16), and deepinfer-tiny's tokenizer:
-    speed depends on the shapes, not on what the weights learned."""
+    speed depends on the shapes, not on what the weights learned. Built in a process
+    of its own: a child forked from a process that held the model would inherit its
+    peak RSS (Linux carries it over exec), and every peak measured here would be wrong."""
     out = work / "qwen3-0.6b-shape"
     if not (out / "model.safetensors").is_file():
-        import torch
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B)).to(torch.bfloat16)
-        model.save_pretrained(out)
+        run([sys.executable, "-c", BUILD_QWEN3_SHAPE, str(out), json.dumps(QWEN3_06B)])
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(TINY / name, out / name)
     return out
@@ -285,23 +295,27 @@ def main() -> None:
         model = Path(args.model)
     gguf = convert(llama, model, args.work / f"{model.name}-f16.gguf")
     dtypes = args.dtypes.split(",")
-    # (column label, how to run it)
-    sides = [(f"DeepInfer {d}", (ENGINE, d, "0")) for d in dtypes]
+    short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+    # (column label, how to run it); DeepInfer's columns are named by dtype alone
+    sides = [(short.get(d, d), (ENGINE, d, "0")) for d in dtypes]
     if args.compile_decode:
-        sides += [(f"{d}+compile", (ENGINE, d, "1")) for d in dtypes]
+        sides += [(f"{short.get(d, d)}+compile", (ENGINE, d, "1")) for d in dtypes]
     if args.transformers:
-        sides.append((f"transformers {dtypes[0]}", (TRANSFORMERS, dtypes[0])))
+        sides.append((f"HF {short.get(dtypes[0], dtypes[0])}", (TRANSFORMERS, dtypes[0])))
 
     print(
         f"\n{model.name}: prompts of {args.input_len} tokens, {args.output_len} new tokens "
         f"each, greedy; {args.threads} threads; load average "
         f"{os.getloadavg()[0]:.1f} at start"
     )
-    print("output tokens/s, each side's ratio to llama.cpp's, and peak RSS (MB) per process")
+    print(
+        "output tokens/s of llama.cpp and of DeepInfer (by dtype, +compile: compile_decode=True)"
+        " and transformers (HF), each side's ratio to llama.cpp's, and each process's peak RSS (MB)"
+    )
     header = f"{'batch':>5} {'llama.cpp f16':>14}"
     for label, _ in sides:
-        header += f" {label:>22} {'ratio':>6}"
-    header += f" {'RSS llama':>10}" + "".join(f" {'RSS ' + label[-8:]:>13}" for label, _ in sides)
+        header += f" {label:>16} {'ratio':>6}"
+    header += f" {'RSS llama':>10}" + "".join(f" {'RSS ' + label:>17}" for label, _ in sides)
     print(header)
     for batch in [int(b) for b in args.batches.split(",")]:
         ref = llama_cpp_run(binary, gguf, batch, args)
@@ -310,8 +324,8 @@ def main() -> None:
         ]
         line = f"{batch:>5} {ref.tokens_per_s:>10,.0f} t/s"
         for r in ours:
-            line += f" {r.tokens_per_s:>18,.0f} t/s {r.tokens_per_s / ref.tokens_per_s:>5.2f}x"
-        line += f" {ref.peak_rss_mb:>10,.0f}" + "".join(f" {r.peak_rss_mb:>13,.0f}" for r in ours)
+            line += f" {r.tokens_per_s:>12,.0f} t/s {r.tokens_per_s / ref.tokens_per_s:>5.2f}x"
+        line += f" {ref.peak_rss_mb:>10,.0f}" + "".join(f" {r.peak_rss_mb:>17,.0f}" for r in ours)
         print(line, flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end; {time.strftime('%Y-%m-%d %H:%M')}")
 

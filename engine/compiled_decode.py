@@ -42,11 +42,6 @@ def can_compile(model: nn.Module, device: torch.device) -> str | None:
     return None
 
 
-def compile_by_default() -> bool:
-    """Whether compile_decode=None compiles: see the closing measurements."""
-    return False
-
-
 class CompiledDecode:
     """The model's forward pass for decode-only steps, through torch.compile."""
 

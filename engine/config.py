@@ -203,9 +203,10 @@ class EngineConfig:
     # None: 0.9 of free GPU memory, or 0.2 of available RAM on CPU (see ModelRunner)
     kv_cache_memory_fraction: float | None = None
     enforce_eager: bool = False  # True: no CUDA graphs, and no compiled decode step
-    # Run decode-only steps through torch.compile (compiled_decode.py), on the CPU.
-    # None: only where it measurably wins (see compile_decode_default).
-    compile_decode: bool | None = None
+    # Run decode-only steps through torch.compile (compiled_decode.py), on the CPU:
+    # faster steps for seconds of compiling at start-up. None: wherever the model and
+    # device allow it, as `deepinfer serve` does.
+    compile_decode: bool | None = False
     # True: a request's logits are bitwise the same whatever else is in the batch,
     # at some cost in speed (engine/batch_invariant.py).
     batch_invariant: bool = False

@@ -150,6 +150,11 @@ class KVCachePool:
                 t[lo:hi].zero_()
         self.num_touched_blocks = hi
 
+    def forget_touched(self) -> None:
+        """Treat every block as unused again, so that each is zeroed before its
+        first use (after a warm-up wrote dummy keys and values)."""
+        self.num_touched_blocks = 0
+
     def kv_cache_config(self) -> KVCacheConfig:
         return KVCacheConfig(self.num_blocks, self.block_size, self.max_model_len)
 

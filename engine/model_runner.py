@@ -15,7 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata, forward_context, get_backend
 from engine.batch_invariant import use_fixed_row_tiles
-from engine.compiled_decode import CompiledDecode, can_compile, compile_by_default
+from engine.compiled_decode import CompiledDecode, can_compile
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.distributed.expert_parallel import ExpertLoad, TrafficCounters, attach
@@ -92,6 +92,8 @@ class ModelRunner:
         self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
         self.max_model_len = self.kv_cache.max_model_len
         self.compiled = self._compiled_decode()
+        if self.compiled is not None:
+            self._compile_decode_now()
         self.graphs: CUDAGraphRunner | None = None
         if (
             self.device.type == "cuda"
@@ -113,13 +115,37 @@ class ModelRunner:
     def _compiled_decode(self) -> CompiledDecode | None:
         want = self.config.compile_decode
         why_not = can_compile(self.model, self.device)
-        if want and self.config.enforce_eager:
+        if self.config.enforce_eager:
             why_not = "enforce_eager=True asks for no compilation"
         if want and why_not:
             raise ValueError(f"compile_decode=True cannot be honoured: {why_not}")
-        if want is None:
-            want = why_not is None and not self.config.enforce_eager and compile_by_default()
-        return CompiledDecode(self.model) if want else None
+        if want is False or why_not:  # None: wherever it can run
+            return None
+        return CompiledDecode(self.model)
+
+    def _compile_decode_now(self) -> None:
+        """Compile before the first request rather than in the middle of it: one
+        decode step of two dummy sequences, one token each, in block 0. What they
+        write there is zeroed again before any request gets the block."""
+        zeros = self._tensor([0, 0], torch.int64)
+        positions = zeros.clone()  # two tensors, made outside inference mode, as a step's are
+        meta = AttentionMetadata(
+            slot_mapping=zeros,
+            block_tables=self._tensor([[0], [0]], torch.int32),
+            context_lens=self._tensor([1, 1], torch.int32),
+            cu_seqlens_q=self._tensor([0, 1, 2], torch.int32),
+            num_decodes=2,
+            context_lens_cpu=[1, 1],
+            query_lens_cpu=[1, 1],
+        )
+        self.kv_cache.touch(1)
+        with (
+            torch.inference_mode(),
+            forward_context(meta, self.backend.build_metadata(meta), self.backend),
+        ):
+            self.compiled(zeros, positions)
+        self.kv_cache.forget_touched()
+        self.compiled.steps = 0
 
     def _bind_expert_counts(self) -> None:
         """Every MoE layer counts its tokens into a row of one tensor in the stats."""

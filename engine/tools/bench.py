@@ -25,6 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import FullAttentionSpec
+from engine.layers.linear import PackedLinear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -147,8 +148,8 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float) -> tuple[float, s
     linear layer's FLOP at the measured matmul rate (or its weights' bytes at the
     measured bandwidth, if that is longer), plus the KV cache's bytes read."""
     runner = llm.llm_engine.executor.model_runner
-    linear = [m.weight for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
-    params = sum(w.numel() for w in linear)
+    linear = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    params = sum(m.in_features * m.out_features for m in linear)
     dtype = llm.llm_engine.config.dtype
     gflops, gbs = matmul_gflops(dtype), bandwidth_gbs()
     flop_ms = 2 * params * batch / gflops / 1e6
@@ -391,7 +392,7 @@ def run(
         )
     if e["compile_s"] is not None:
         lines.append(
-            f"decode steps ran compiled (torch.compile), compiled during the warm-up "
+            f"decode steps ran compiled (torch.compile), compiled at start-up "
             f"in {e['compile_s']:.1f} s, which no figure above includes"
         )
     lines += ["", *e["kv_lines"]]

@@ -159,12 +159,14 @@ def _add_dtype(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_compile(parser: argparse.ArgumentParser) -> None:
+def _add_compile(parser: argparse.ArgumentParser, default: bool | None) -> None:
+    said = {None: "on where the model and device allow it", False: "off"}[default]
     parser.add_argument(
         "--compile-decode",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run decode steps through torch.compile (CPU; costs seconds once)",
+        default=default,
+        help="run decode steps through torch.compile: faster steps on a CPU, for "
+        f"seconds of compiling at start-up (default: {said})",
     )
 
 
@@ -203,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None)
     _add_dtype(gen)
-    _add_compile(gen)
+    _add_compile(gen, default=False)
     gen.add_argument("--max-model-len", type=int, default=None)
     _add_expert_parallel(gen)
     gen.set_defaults(func=_generate)
@@ -232,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     serve.add_argument("--device", default=None)
     _add_dtype(serve)
-    _add_compile(serve)
+    _add_compile(serve, default=None)  # a server runs long enough to repay it
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=256)
@@ -299,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per side")
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default=None, help="both sides' dtype; default: the engine's")
-    _add_compile(bench)
+    _add_compile(bench, default=False)
     bench.add_argument(
         "--kv-baseline",
         action="append",

@@ -148,7 +148,9 @@ def run(
         "offline: LLM.generate in waves of N",
         "",
     ]
-    serve = ["serve", model, "--max-num-seqs", str(max(concurrency))]
+    # The same engine on both sides: the server compiles its decode step by
+    # default, LLM does not, and the table measures serving, not compiling.
+    serve = ["serve", model, "--max-num-seqs", str(max(concurrency)), "--no-compile-decode"]
     serve += ["--device", device] if device else []
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     with launched(*serve, env=env) as url:

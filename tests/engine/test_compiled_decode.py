@@ -31,7 +31,7 @@ def test_compiled_decode_matches_transformers(checkpoint) -> None:
     compiled = llm.llm_engine.executor.model_runner.compiled
     assert compiled.compiles == 1, "a new batch size compiled again"
     assert compiled.steps >= MAX_TOKENS - 2, compiled.steps  # decodes did run compiled
-    assert compiled.compile_seconds > 0
+    assert compiled.compile_seconds > 0  # at start-up, before the first request
 
 
 def test_compiled_step_writes_the_cache_in_place(qwen3) -> None:
@@ -56,4 +56,13 @@ def test_compile_decode_refuses_what_it_cannot_do(qwen3) -> None:
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(path, dtype="float32", compile_decode=True, enforce_eager=True, num_kv_blocks=4)
     llm = LLM(path, dtype="float32", num_kv_blocks=4)  # the default compiles nothing
+    assert llm.llm_engine.executor.model_runner.compiled is None
+    # None, what `deepinfer serve` passes: wherever it can run, and quietly not elsewhere.
+    llm = LLM(path, dtype="float32", num_kv_blocks=4, compile_decode=None, enforce_eager=True)
+    assert llm.llm_engine.executor.model_runner.compiled is None
+
+
+def test_compile_decode_none_skips_models_it_cannot_compile(deepseek) -> None:
+    path, _ = deepseek
+    llm = LLM(path, dtype="float32", num_kv_blocks=8, compile_decode=None)
     assert llm.llm_engine.executor.model_runner.compiled is None

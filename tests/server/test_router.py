@@ -15,7 +15,8 @@ import pytest
 from tests.conftest import ARTIFACTS
 from tests.server.conftest import TINY, metric, running
 
-WORKER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "1024")
+# Routing does not depend on how a worker runs its steps: no compile at start-up.
+WORKER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "1024", "--no-compile-decode")
 QUESTIONS = [
     "What is a block?",
     "Who frees blocks?",
