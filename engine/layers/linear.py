@@ -21,16 +21,18 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # any batch size
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        # Still a parameter of the same shape, so that counting a model's parameters,
+        # or its weights' bytes, gives what it gave before; but opaque (layout _mkldnn).
+        self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():  # Inductor cannot lower it for any batch size
-            y = torch.ops.deepinfer.packed_linear(flat, self.packed, self.bias, self.out_features)
+            y = torch.ops.deepinfer.packed_linear(flat, self.weight, self.bias, self.out_features)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.config import EngineConfig
 from engine.kv_cache import FullAttentionSpec
@@ -148,8 +149,8 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float) -> tuple[float, s
     linear layer's FLOP at the measured matmul rate (or its weights' bytes at the
     measured bandwidth, if that is longer), plus the KV cache's bytes read."""
     runner = llm.llm_engine.executor.model_runner
-    linear = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-    params = sum(m.in_features * m.out_features for m in linear)
+    linear = [m.weight for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    params = sum(w.numel() for w in linear)
     dtype = llm.llm_engine.config.dtype
     gflops, gbs = matmul_gflops(dtype), bandwidth_gbs()
     flop_ms = 2 * params * batch / gflops / 1e6
