@@ -36,9 +36,14 @@ def iterate_weights(
         if not file.is_file():
             raise ValueError(f"the index names a shard that is missing: {file}")
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if wanted is None or wanted(name):
-                    yield name, f.get_tensor(name)
+            names = [n for n in f.keys() if wanted is None or wanted(n)]  # noqa: SIM118
+        for name in names:
+            # A fresh handle per tensor: safe_open maps the whole file, and every page
+            # read through a mapping stays in this process's memory until the mapping
+            # goes. One handle for all would hold a second copy of the model at the
+            # end of loading; this way the peak is the model plus one tensor.
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                yield name, f.get_tensor(name)
 
 
 def load_model(config: EngineConfig, local_experts: list[list[int]] | None = None) -> nn.Module:

@@ -61,15 +61,15 @@ def pack_linears(model: nn.Module) -> int:
     is shared with another parameter (a tied LM head): packing would copy it.
     Returns how many were packed."""
     shared = _shared_weights(model)
-    swaps = [
-        (parent, name, child)
+    places = [
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear and id(child.weight) not in shared
     ]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
-    return len(swaps)
+    for parent, name in places:  # each old weight is freed as soon as its copy is made,
+        setattr(parent, name, PackedLinear(getattr(parent, name)))  # and its memory reused
+    return len(places)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
