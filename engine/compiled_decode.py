@@ -12,10 +12,9 @@ graph, so the compiler can neither copy it nor see the per-layer views it is
 read through.
 
 Only steps in which every sequence decodes run compiled: their shapes differ
-only in the batch size, which ``dynamic=True`` keeps symbolic, so one graph
-serves every batch (Dynamo specializes a batch of 1 and compiles it once more).
-Compiling takes seconds; Inductor caches what it built on disk
-(TORCHINDUCTOR_CACHE_DIR), so a later process compiles faster.
+only in the batch size, which is marked unbacked (any size, 1 included), so one
+graph serves every batch. Compiling takes seconds; Inductor caches what it
+built on disk (TORCHINDUCTOR_CACHE_DIR), so a later process compiles faster.
 """
 
 from __future__ import annotations
@@ -48,6 +47,8 @@ class CompiledDecode:
     def __init__(self, model: nn.Module) -> None:
         self.fn: Callable[..., torch.Tensor] = torch.compile(model.forward, dynamic=True)
         self.layers = model.attention_layers()
+        for i, layer in enumerate(self.layers):  # what the graph names each layer by
+            layer.index = i
         self.compile_seconds = 0.0  # the calls that compiled, summed
         self.compiles = 0
         self.steps = 0  # steps run through the compiled graph

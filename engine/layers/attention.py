@@ -21,7 +21,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: PagedKV | None = None  # this layer's blocks; KVCachePool binds them
-        self.index = 0  # its place among the model's attention layers (compiled_layers)
+        self.index = 0  # its place among the model's attention layers (CompiledDecode)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> FullAttentionSpec:
         """What this layer caches for every token: a key and a value per KV head."""
@@ -48,12 +48,10 @@ _compiled: Sequence[Attention] = ()  # the layers of the compiled forward pass n
 
 @contextmanager
 def compiled_layers(layers: Sequence[Attention]) -> Iterator[None]:
-    """Let the operator below find the running model's layers by index. An index,
-    not the layer itself, goes into the graph: the same in every process, so the
-    compiled code cached on disk by one run serves the next."""
+    """Let the operator below find the running model's layers, by their ``index``
+    in ``layers``. An index, not the layer itself, goes into the graph: the same
+    in every process, so the compiled code cached on disk by one run serves the next."""
     global _compiled
-    for i, layer in enumerate(layers):
-        layer.index = i
     _compiled = layers
     try:
         yield

@@ -4,9 +4,9 @@ A matmul library multiplies fastest from a weight laid out in the tiles its
 kernel reads, not in PyTorch's row-major order. Given a row-major weight, it
 reorders it on every call, and for a decode step's few rows that reordering
 costs as much as the arithmetic. Packing each weight once, after loading,
-removes it. (Inductor does the same
-when it freezes a graph; doing it here serves the eager and compiled paths
-alike.) The packed copy replaces the original, so memory does not double.
+removes it. (Inductor does the same when it freezes a graph; doing it here
+serves the eager and compiled paths alike.) The packed copy replaces the
+original, so memory does not double.
 """
 
 from __future__ import annotations
