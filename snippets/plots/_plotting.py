@@ -28,6 +28,9 @@ STYLE = {
     "font.size": FONT_PT,
     "axes.titlesize": FONT_PT,
     "legend.fontsize": FONT_PT,
+    "legend.frameon": False,
+    "grid.linewidth": 0.4,  # grids are faint: a guide for the eye, not data
+    "grid.alpha": 0.5,
     "savefig.transparent": True,
 }
 

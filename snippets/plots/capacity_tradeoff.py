@@ -45,8 +45,8 @@ def main(out: str) -> None:
     ax.set_yticks(ticks, [str(t) for t in ticks])  # plain text, no mathtext powers
     ax.set_xlabel("capacity factor")
     ax.set_ylabel("share (%)")
-    ax.grid(True, lw=0.4, alpha=0.5)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    ax.grid(True)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     fig.tight_layout()
     save_svg(fig, out)
 

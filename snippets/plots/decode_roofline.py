@@ -39,8 +39,8 @@ def main(out: str) -> None:
     ax.minorticks_off()
     ax.set_xlabel("batch size (requests in one step)")
     ax.set_ylabel("tokens per second")
-    ax.grid(True, which="major", lw=0.4, alpha=0.5)
-    ax.legend(loc="lower right", frameon=False)
+    ax.grid(True, which="major")
+    ax.legend(loc="lower right")
     fig.tight_layout()
     save_svg(fig, out)
 

@@ -39,10 +39,10 @@ def main(out: str) -> None:
         ax.set_ylim(-0.6, len(lanes) - 0.4)
         ax.set_xlim(0, max(end for *_, end in spans))
         ax.set_title(f"async scheduling {name}", loc="left")
-        ax.grid(True, axis="x", lw=0.4, alpha=0.5)
+        ax.grid(True, axis="x")
     axes[-1].set_xlabel("time (ms), one run on one machine")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STAGE_COLOURS.values()]
-    fig.legend(handles, STAGE_COLOURS, loc="lower center", ncol=3, frameon=False)
+    fig.legend(handles, STAGE_COLOURS, loc="lower center", ncol=3)
     fig.tight_layout(rect=(0, 0.14, 1, 1))
     save_svg(fig, out)
 

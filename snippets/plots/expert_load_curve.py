@@ -38,8 +38,8 @@ def main(out: str) -> None:
     ax.set_xlim(1, e12.EXPERTS)
     ax.set_xlabel("experts, busiest first")
     ax.set_ylabel("tokens / mean")
-    ax.grid(True, lw=0.4, alpha=0.5)
-    ax.legend(loc="upper right", frameon=False)
+    ax.grid(True)
+    ax.legend(loc="upper right")
     fig.tight_layout()
     save_svg(fig, out)
 

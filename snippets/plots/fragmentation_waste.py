@@ -27,8 +27,8 @@ def main(out: str) -> None:
     ax.set_ylim(0, 100)
     ax.set_xlabel("request length at its longest (tokens)")
     ax.set_ylabel("reserved slots never used (%)")
-    ax.grid(True, lw=0.4, alpha=0.5)
-    ax.legend(loc="upper right", frameon=False)
+    ax.grid(True)
+    ax.legend(loc="upper right")
     fig.tight_layout()
     save_svg(fig, out)
 
