@@ -9,9 +9,9 @@ different company, and a near-tie between two tokens can then go either way.
 With ``LLM(..., batch_invariant=True)`` every reduction a row goes through has
 an order fixed by that row alone:
 
-* matrix products run on tiles of ``ROW_TILE`` rows, every tile a product of
-  the same shape, so each row meets the same kernel whatever the batch size
-  (`linear`);
+* matrix products run on tiles of ``ROW_TILE`` rows, one product per tile, every
+  one of the same shape, so each row meets the same kernel whatever the batch
+  size and the thread count (`linear`);
 * RMSNorm and the sampler's softmaxes reduce along each row, as they always do;
 * attention treats every query token as a row of its own (`one_query_per_row`)
   and reads its keys in splits of a fixed size, the same for a prompt chunk and
@@ -34,17 +34,19 @@ ROW_TILE = 16  # rows per matrix-product call in batch-invariant mode
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x @ weight.T + bias, on tiles of ROW_TILE rows, the last one padded with zeros.
+    """x @ weight.T + bias, one product of ROW_TILE rows at a time, the last one padded.
 
-    One batched product runs every tile as a product of its own, and every tile
-    has the same shape, so each row's sums run in the same order whichever tile
-    it lands in and wherever in the tile. (One product of all the rows at once
-    is free to choose its algorithm, and so its order, from the number of rows.)
+    Every product has the same shape, so the library makes the same choices for
+    each (its algorithm, and how it shares the work among threads), and each row's
+    sums run in the same order whichever tile it lands in and wherever in the
+    tile. One product of all the rows is free to choose from the number of rows,
+    and so is one batched product of all the tiles: MKL's AVX2 code (what it runs
+    on AMD CPUs) on two threads gives a row other bits once there are two tiles.
     """
     rows = x.reshape(-1, x.shape[-1])
-    n, tiles = rows.shape[0], cdiv(rows.shape[0], ROW_TILE)
-    rows = F.pad(rows, (0, 0, 0, tiles * ROW_TILE - n)).view(tiles, ROW_TILE, x.shape[-1])
-    out = torch.bmm(rows, weight.T.expand(tiles, *weight.T.shape)).flatten(0, 1)[:n]
+    n = rows.shape[0]
+    rows = F.pad(rows, (0, 0, 0, cdiv(n, ROW_TILE) * ROW_TILE - n))
+    out = torch.cat([tile @ weight.T for tile in rows.split(ROW_TILE)])[:n]
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])

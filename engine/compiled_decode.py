@@ -38,7 +38,23 @@ def can_compile(model: nn.Module, device: torch.device) -> str | None:
         return "it is for the CPU; on CUDA the decode step replays CUDA graphs"
     if not getattr(model, "supports_compile", False):
         return f"{type(model).__name__} does not support it (dense Llama and Qwen models do)"
+    if not vector_isa():
+        return (
+            "torch's compiler finds no C++ compiler, or no vector ISA on this CPU (or"
+            " ATEN_CPU_CAPABILITY=default), and the scalar C++ it then writes does not build"
+        )
     return None
+
+
+def vector_isa() -> bool:
+    """Can Inductor's CPU code generator build vector code (AVX2, AVX-512, NEON...) here?
+    Finding out compiles a probe, so a missing C++ compiler answers no as well."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    try:
+        return bool(pick_vec_isa())
+    except Exception:  # InvalidCxxCompiler, a failed probe build: nothing to compile with
+        return False
 
 
 class CompiledDecode:

@@ -4,7 +4,8 @@ samples, so that building step N+1 never waits for step N (async scheduling).
 The scheduler writes a PLACEHOLDER where a token is still to come. Each running
 request owns a slot in a small device buffer, and the model runner replaces
 the request's placeholder with a reference to that slot: the negative id
--1 - slot, as SGLang's future map does. After sampling, step N writes each
+-1 - slot (SGLang's future map also marks a future token by a negative id,
+-i for its slot i counted from 1). After sampling, step N writes each
 request's token into its slot; before the embedding, step N+1 swaps each
 reference for what its slot holds. Both happen on the device, in step order,
 so the host never waits.

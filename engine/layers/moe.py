@@ -92,9 +92,9 @@ class Experts(nn.Module):
 
 def weighted_sum(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[tokens * top_k, hidden] expert outputs in pair order -> [tokens, hidden]:
-    each token's outputs summed with its router weights, in float32."""
+    each token's outputs summed with its router weights, in float32 at least."""
     pairs = out.view(len(weights), weights.shape[1], out.shape[-1])
-    mixed = (pairs.float() * weights[..., None]).sum(1)
+    mixed = (pairs.to(weights.dtype) * weights[..., None]).sum(1)
     return mixed.to(out.dtype)
 
 

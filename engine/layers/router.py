@@ -42,7 +42,10 @@ class GroupedTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [tokens, hidden] -> (weights, expert ids), each [tokens, top_k]."""
-        scores = F.linear(x.float(), self.weight).sigmoid()
+        # Float32 at least; float64 in a float64 model, where it makes routing the same
+        # on every CPU (snippets/ch04/demo_expert_load.py).
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        scores = F.linear(x.to(dtype), self.weight.to(dtype)).sigmoid()
         biased = scores + self.e_score_correction_bias  # for choosing only
         # A group's score is the sum of its two best experts; keep the best groups.
         groups = biased.view(len(x), self.num_groups, self.num_experts // self.num_groups)

@@ -47,6 +47,38 @@ def test_a_row_gets_the_same_bits_in_any_tile_and_any_position() -> None:
             assert torch.equal(linear(batch, weight, bias)[at], alone), (n, at)
 
 
+# A row of a [n, 1024] @ [1024, 256] product (the tiny models' down projection),
+# alone and in batches; MKL reads its ISA and thread count once, at start-up.
+THREADS_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from engine.batch_invariant import linear
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(256, 1024, generator=g), torch.randn(200, 1024, generator=g)
+    alone = linear(x[:1], weight)[0]
+    print(sum(torch.equal(linear(x[:n], weight)[0], alone) for n in (2, 17, 40, 64, 200)))
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["AVX2", "AVX512"])
+def test_a_row_keeps_its_bits_on_two_threads(isa: str) -> None:
+    """MKL's AVX2 batched product on two threads changed a row's bits once the
+    batch held two tiles; one product per tile does not."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MKL_ENABLE_INSTRUCTIONS": isa,
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", THREADS_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["5"], proc.stdout
+
+
 def test_decodes_keep_their_metadata_so_captured_graphs_read_their_buffers() -> None:
     """A decode-only step is already one query per row: its metadata comes back
     as it is (a CUDA graph replays over these very tensors). A step with a

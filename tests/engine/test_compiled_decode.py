@@ -66,3 +66,17 @@ def test_compile_decode_none_skips_models_it_cannot_compile(deepseek) -> None:
     path, _ = deepseek
     llm = LLM(path, dtype="float32", num_kv_blocks=8, compile_decode=None)
     assert llm.llm_engine.executor.model_runner.compiled is None
+
+
+def test_compile_decode_needs_a_vector_isa(qwen3, monkeypatch) -> None:
+    """With no vector ISA (ATEN_CPU_CAPABILITY=default, an old CPU) Inductor writes
+    scalar C++ that does not build: refuse True clearly, and run eager for None."""
+    import engine.compiled_decode as compiled_decode
+
+    path, _ = qwen3
+    monkeypatch.setattr(compiled_decode, "vector_isa", lambda: False)
+    with pytest.raises(ValueError, match="no vector ISA"):
+        LLM(path, dtype="float32", compile_decode=True, num_kv_blocks=4)
+    llm = LLM(path, dtype="float32", num_kv_blocks=4, compile_decode=None)
+    assert llm.llm_engine.executor.model_runner.compiled is None
+    assert llm.generate(["a b"], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
