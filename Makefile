@@ -75,7 +75,8 @@ test: $(VENV)/.all chromium
 
 # Every test that keeps prose, excerpts, outputs and plots in step.
 GUARD_TESTS := $(wildcard tests/test_snippets.py tests/test_snippet_sources.py tests/test_results.py \
-	tests/test_page_guard.py tests/test_prose.py tests/test_plots.py tests/test_edition.py)
+	tests/test_page_guard.py tests/test_prose.py tests/test_plots.py tests/test_edition.py \
+	tests/test_machine_independence.py)
 
 snippets: $(VENV)/.all
 	$(BIN)/python -m pytest $(GUARD_TESTS) $(PYTEST_ARGS)

@@ -1,7 +1,8 @@
 """Run the book's snippets in one fixed environment, to check or rewrite their records.
 
-    python snippets/_runner.py check [PATH ...]   diff each snippet's stdout and results with its records
-    python snippets/_runner.py regen [PATH ...]   rewrite the records, plots and the edition manifest
+    python snippets/_runner.py check [PATH ...]      diff each snippet's stdout and results with its records
+    python snippets/_runner.py regen [PATH ...]      rewrite the records, plots and the edition manifest
+    python snippets/_runner.py perturbed [PATH ...]  check the engine's snippets on other float kernels
 
 Experiments are snippets/chNN/eNN_slug.py and engine demos snippets/chNN/demo_slug.py.
 Each defines main(), which prints what the book shows and returns the named
@@ -14,6 +15,29 @@ whose times differ on every run. Under `regen` alone the runner sets
 SNIPPETS_RECORD=1, and such a demo then saves its measurements for a plot
 (snippets/plots/data/); `check` runs it without, so nothing drifts but the
 plot, which make regen redraws from the data it saved.
+
+What a record may hold
+----------------------
+A record holds only what every correct machine prints, whatever its CPU, its
+math library or its thread count: token ids and text, counts decided by
+integer logic, exact invariants ("24 of 24 bitwise equal", "1 distinct"), and
+floats that the snippet rounds to a precision it states where the engine's
+float arithmetic feeds them. A demo's float results must survive rounding to
+six significant digits (check_results refuses them otherwise), so a raw
+float32 difference cannot slip into a .json.
+
+A demo whose point is a machine-dependent number prints it on a line that
+begins with VARIES ("~"). The .out keeps the line as the recording machine
+printed it, so the page can show an example, but the check compares only that
+such a line stands there, not what it says; such a number is never a result.
+
+    python snippets/_runner.py perturbed [PATH ...]
+
+runs the engine's snippets (those that import torch or the engine) under each
+environment in PERTURBATIONS, which change the float kernels a machine would
+choose (other oneDNN, MKL and ATen vector ISAs, the portable C++ build, two
+threads), and requires the same records. tests/test_machine_independence.py
+runs it in `make test`.
 """
 
 from __future__ import annotations
@@ -42,8 +66,32 @@ def discover() -> list[str]:
     return sorted(p for p in found if SNIPPET.match(p))
 
 
-def fixed_env() -> dict[str, str]:
-    """The one environment every snippet runs in: seeded hashing, UTC, one thread, CPU."""
+# Lines that begin with this hold a machine-dependent value: checked for place, not content.
+VARIES = "~"
+# Environments that make torch, oneDNN, MKL and the C++ op pick other float kernels,
+# as another CPU would. Each is laid over fixed_env() on purpose; nothing else leaks in.
+# Two of them, so that on any x86 machine at least two kernel families meet the
+# records, whichever one the machine itself runs in the fixed environment.
+PERTURBATIONS: dict[str, dict[str, str]] = {
+    "avx2-2-threads": {
+        "DNNL_MAX_CPU_ISA": "AVX2",  # oneDNN: packed linears and mkldnn matmuls
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL's float32 and float64 GEMMs
+        "ATEN_CPU_CAPABILITY": "avx2",  # ATen's own vectorized kernels
+        "OMP_NUM_THREADS": "2",  # reductions split over two threads
+        "MKL_NUM_THREADS": "2",
+    },
+    "sse41-portable": {
+        "DNNL_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ATEN_CPU_CAPABILITY": "default",  # unvectorized
+        "DEEPINFER_PORTABLE_BUILD": "1",  # the C++ decode op without -march=native
+    },
+}
+
+
+def fixed_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
+    """The one environment every snippet runs in: seeded hashing, UTC, one thread, CPU;
+    ``overrides`` (one of PERTURBATIONS) are laid over it."""
     keep = ("PATH", "HOME", "TMPDIR", "VIRTUAL_ENV", "SYSTEMROOT", "TORCH_EXTENSIONS_DIR", "CXX")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(
@@ -59,7 +107,19 @@ def fixed_env() -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
     )
+    env.update(overrides or {})
     return env
+
+
+def comparable(text: str) -> str:
+    """A record as the check compares it: each VARIES line reduced to its marker."""
+    return "".join(
+        VARIES + "\n" if line.startswith(VARIES) else line for line in text.splitlines(True)
+    )
+
+
+def matches(recorded: str, actual: str) -> bool:
+    return comparable(recorded) == comparable(actual)
 
 
 # Runs a snippet's main() as `python snippet.py` would, and keeps what it returns.
@@ -78,7 +138,9 @@ NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 def check_results(path: str, results: object) -> dict:
     """Results are a dict of lowercase names to numbers, strings, booleans, or
-    lists of those; anything else could not be written into prose faithfully."""
+    lists of those; anything else could not be written into prose faithfully.
+    A demo's floats come from the engine's arithmetic, so they must be rounded
+    (see "What a record may hold")."""
     if results is None:
         return {}
     if not isinstance(results, dict):
@@ -91,13 +153,54 @@ def check_results(path: str, results: object) -> dict:
             raise TypeError(f"{path}: result {name!r} = {value!r} is not a number or string")
         if any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise ValueError(f"{path}: result {name!r} = {value!r} is not finite")
+        if is_demo(path) and any(isinstance(v, float) and v != rounded(v) for v in items):
+            raise ValueError(
+                f"{path}: result {name!r} = {value!r} carries the machine's last bits; round it"
+                " to the precision the demo states, or print it on a VARIES line instead"
+            )
     return results
 
 
-def run(path: str, python: str = sys.executable, record: bool = False) -> tuple[str, dict]:
+def is_demo(path: str) -> bool:
+    return Path(path).name.startswith("demo_")
+
+
+def rounded(value: float) -> float:
+    return float(f"{value:.6g}")
+
+
+def engine_snippets() -> list[str]:
+    """The snippets whose output passes through torch's or the engine's float kernels."""
+    import ast
+
+    found = []
+    for path in discover():
+        tree = ast.parse((ROOT / path).read_text(), filename=path)
+        modules = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        } | {
+            node.module.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+        }
+        if modules & {"engine", "torch"}:
+            found.append(path)
+    return found
+
+
+def run(
+    path: str,
+    python: str = sys.executable,
+    record: bool = False,
+    overrides: dict[str, str] | None = None,
+) -> tuple[str, dict]:
     """A snippet's stdout and its results; a failing snippet raises with its stderr.
-    With ``record``, a demo also saves the measurements its plot draws."""
-    env = fixed_env()
+    With ``record``, a demo also saves the measurements its plot draws; ``overrides``
+    run it under one of PERTURBATIONS."""
+    env = fixed_env(overrides)
     if record:
         env["SNIPPETS_RECORD"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,36 +299,57 @@ def plot_target(script: Path) -> Path:
     return PLOT_DIR / f"{script.stem}.svg"
 
 
+def check_one(path: str, overrides: dict[str, str] | None = None) -> str:
+    """What differs between a snippet's records and a run of it now; empty when nothing."""
+    actual, results = run(path, overrides=overrides)
+    target = record_path(path)
+    recorded = target.read_text() if target.exists() else ""
+    changed = results_diff(path, recorded_results(path), results)
+    if matches(recorded, actual) and not changed:
+        return ""
+    return diff(path, recorded, actual) + changed
+
+
+def regen_one(path: str) -> None:
+    actual, results = run(path, record=True)
+    changed = results_diff(path, recorded_results(path), results)
+    record_path(path).write_text(actual)
+    write_results(path, results)
+    print(f"recorded {record_path(path).relative_to(ROOT)}")
+    if changed:  # the prose around these values was written for the old ones
+        print(changed + "  reread the prose at each place shown")
+
+
+def regen_rest() -> None:
+    """After a whole regen: every plot, and the edition manifest."""
+    PLOT_DIR.mkdir(parents=True, exist_ok=True)
+    for script in plot_scripts():
+        render_plot(script, plot_target(script))
+        print(f"plotted {plot_target(script).relative_to(ROOT)}")
+    sys.path.insert(0, str(ROOT))
+    from engine.tools.edition import write_manifest
+
+    print(f"wrote {write_manifest(ROOT).relative_to(ROOT)}")
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("check", "regen"):
+    if not argv or argv[0] not in ("check", "regen", "perturbed"):
         print(__doc__)
         return 2
-    verb, paths = argv[0], argv[1:] or discover()
+    verb, paths = argv[0], argv[1:]
+    if verb == "regen":
+        for path in paths or discover():
+            regen_one(path)
+        if not paths:
+            regen_rest()
+        return 0
     failed = 0
-    for path in paths:
-        actual, results = run(path, record=verb == "regen")
-        target = record_path(path)
-        changed = results_diff(path, recorded_results(path), results)
-        if verb == "regen":
-            target.write_text(actual)
-            write_results(path, results)
-            print(f"recorded {target.relative_to(ROOT)}")
-            if changed:  # the prose around these values was written for the old ones
-                print(changed + "  reread the prose at each place shown")
-            continue
-        recorded = target.read_text() if target.exists() else ""
-        if recorded != actual or changed:
-            failed += 1
-            print(diff(path, recorded, actual) + changed + regen_hint(path))
-    if verb == "regen" and not argv[1:]:
-        PLOT_DIR.mkdir(parents=True, exist_ok=True)
-        for script in plot_scripts():
-            render_plot(script, plot_target(script))
-            print(f"plotted {plot_target(script).relative_to(ROOT)}")
-        sys.path.insert(0, str(ROOT))
-        from engine.tools.edition import write_manifest
-
-        print(f"wrote {write_manifest(ROOT).relative_to(ROOT)}")
+    envs = PERTURBATIONS if verb == "perturbed" else {"fixed": {}}
+    for path in paths or (engine_snippets() if verb == "perturbed" else discover()):
+        for name, overrides in envs.items():
+            if problem := check_one(path, overrides):
+                failed += 1
+                print(f"[{name}] {problem}{regen_hint(path)}")
     return 1 if failed else 0
 
 
