@@ -74,7 +74,7 @@ def check_fences(markdown: str, report) -> None:
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
-            if (inc := INCLUDE.match(lines[i])) and not inc["path"].startswith("engine/"):
+            if (inc := INCLUDE.match(lines[i])) and parse_directive(lines[i]) is None:
                 report(i + 1, f"include outside a code fence: {inc['path']}")
             i += 1
             continue

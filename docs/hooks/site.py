@@ -177,10 +177,13 @@ def on_files(files, config):
 
 def _label(page) -> str | None:
     """The chapter's label in figure numbers: 1, 2, ... for chapters, P for the
-    Preface, A, B, ... for appendices; None for pages outside the book's order."""
+    Preface, 0 for the architecture page that comes before Chapter 1, A, B, ... for
+    appendices; None for pages outside the book's order."""
     name = page.file.src_uri
     if name == "index.md":
         return "P"
+    if name == "architecture.md":
+        return "0"
     if m := re.match(r"ch(\d\d)-", name):
         return str(int(m[1]))
     if m := re.match(r"appendix-([a-z])-", name):

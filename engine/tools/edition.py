@@ -5,6 +5,7 @@ A page quotes engine code with one directive line, resolved at build time:
 
     --8<-- "engine/block_manager.py::BlockManager.allocate"   (a qualified name)
     --8<-- "engine/scheduler.py:admission"                    (a named section)
+    --8<-- "snippets/ch04/e12_routing_skew.py::route"          (an experiment's function)
 
 A named section is marked in the source with pymdownx.snippets' own markers,
 ``# --8<-- [start:admission]`` and ``# --8<-- [end:admission]``. The C++ sources
@@ -31,7 +32,8 @@ MANIFEST = Path("docs/edition.json")
 
 # A directive line in a page. ``::`` introduces a qualified name, ``:`` a section.
 DIRECTIVE = re.compile(
-    r'^(?P<indent>[ \t]*)--8<-- "(?P<file>engine/[\w/]+\.(?:py|cpp))(?P<sep>::?)(?P<name>[\w.]+)"[ \t]*$'
+    r'^(?P<indent>[ \t]*)--8<-- "(?P<file>(?:engine/[\w/]+\.(?:py|cpp)|snippets/ch\d\d/\w+\.py))'
+    r'(?P<sep>::?)(?P<name>[\w.]+)"[ \t]*$'
 )
 SECTION_MARK = re.compile(r"^\s*(?:#|//) --8<-- \[(?P<end>start|end):(?P<name>\w+)\]\s*$")
 SOURCE_GLOBS = ("*.py", "*.cpp")  # the files a page may quote
