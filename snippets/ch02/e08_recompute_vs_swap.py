@@ -17,7 +17,7 @@ from __future__ import annotations
 
 # Published, not measured. Assumed to be reached, which neither is in practice.
 GPU = "H200 SXM"
-PREFILL_FLOP_PER_S = 989e12  # H200 SXM dense BF16 (NVIDIA), as in Experiment 2
+PREFILL_FLOP_PER_S = 989e12  # H200 SXM dense BF16, as in Experiment 2 (1,979 with sparsity)
 LINK = "PCIe Gen5 x16"
 PCIE_BYTES_PER_S = 64e9  # PCIe Gen5 x16, per direction (PCI-SIG: 32 GT/s per lane)
 

@@ -9,10 +9,11 @@ The GPU's step is Experiment 2's roofline on an H200 SXM: the longer of reading
 the weights once and doing two FLOPs per parameter for every request. Each CPU
 stage costs a fixed part per step plus a part per request. Those costs are
 assumed, not measured: they are of the order that vLLM's developers profiled
-before v0.6, when scheduling took 29% of the execution time for Llama 3 8B on
-one H100 (the vLLM blog, 5 September 2024). Every cost is jittered by up to
-JITTER of itself, from a seeded generator, so that the timeline is a timeline
-and not one step repeated.
+before v0.6.0 for Llama 3 8B on one H100, where 29% of the execution time went
+to scheduling in a wide sense: gathering the last step's results, choosing the
+next step's requests and preparing their inputs (the vLLM blog, 5 September
+2024). Every cost is jittered by up to JITTER of itself, from a seeded
+generator, so that the timeline is a timeline and not one step repeated.
 """
 
 from __future__ import annotations

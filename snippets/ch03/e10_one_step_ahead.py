@@ -4,7 +4,7 @@ The same steps as Experiment 9, with the same costs and the same seed, run
 the way an engine with async scheduling runs them. The CPU schedules step N and
 builds its inputs, launches it, and only then waits for step N-1 and processes
 its outputs. The GPU starts step N as soon as it has finished step N-1 and step
-n has been launched. While the GPU runs one step, the CPU prepares the next.
+N has been launched. While the GPU runs one step, the CPU prepares the next.
 
 The experiment reports the GPU's idle share and the throughput of both loops,
 and their ratio.

@@ -1,9 +1,10 @@
 """Experiment 11: future-token placeholders. What does scheduling ahead waste?
 
-And what makes it wait? With one-step-ahead scheduling, step N+1 is scheduled before step N's tokens
-are known. A placeholder stands for each such token, and the device fills it
-in, so building step N+1 needs nothing from the host; without placeholders,
-every step would wait for the one before. Some things are still known late:
+And what makes it wait? With one-step-ahead scheduling, step N+1 is scheduled
+before step N's tokens are known. A placeholder stands for each such token, and
+the device fills it in, so building step N+1 needs nothing from the host;
+without placeholders, every step would wait for the one before. Some things
+are still known late:
 
 - a request that ends on step N's token, by EOS or by a stop string in its
   text, has already been scheduled for step N+1, and that token is wasted;
@@ -113,7 +114,7 @@ def runs(r: Request, step: int, token: int, folded: int, engine: Engine) -> bool
 
 
 def fold(requests, in_flight, folded, next_token, wasted, drop) -> list:
-    """Step s-1's tokens arrive. A request that has ended takes no more; a token
+    """Step N-1's tokens arrive. A request that has ended takes no more; a token
     dropped at a preemption is computed again."""
     for i, token in in_flight:
         if i in drop:

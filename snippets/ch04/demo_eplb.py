@@ -10,6 +10,10 @@ Per MoE layer the demo prints the imbalance (the busiest rank's rows over the
 mean rank's) measured in each run, next to the policy's own estimate on the
 first run's load; it checks that the tokens are identical, and shows the
 policy's estimate for more ranks.
+
+It runs in float64, as demo_expert_load.py does and for the same reason: in
+float32 a nearly tied pair of router scores ranks differently on another CPU,
+and every count and ratio here would move with it.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def estimate(load, experts: int, groups: int, ranks: int, extra: int) -> tuple[f
 def main() -> dict:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     # No prefix cache: the second run must route the tokens the placement was fitted to.
-    llm = LLM(MODEL, dtype="float32", expert_parallel_size=EP, enable_prefix_caching=False)
+    llm = LLM(MODEL, dtype="float64", expert_parallel_size=EP, enable_prefix_caching=False)
     engine, batch = llm.llm_engine, prompts(llm)
     first_run = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     cfg = engine.config.hf_config
@@ -77,19 +81,27 @@ def main() -> dict:
         names = ",".join(map(str, copied))
         row = f"{first + i:>5}{before[i]:>10.3f}{estimated[i]:>10.3f}{after[i]:>10.3f}"
         print(f"{row}  {names}")
-        results[f"imbalance_before_layer_{first + i}"] = round(before[i], 4)
-        results[f"estimate_layer_{first + i}"] = round(estimated[i], 4)
-        results[f"imbalance_after_layer_{first + i}"] = round(after[i], 4)
+        results[f"imbalance_before_layer_{first + i}"] = round(before[i], 3)
+        results[f"estimate_layer_{first + i}"] = round(estimated[i], 3)
+        results[f"imbalance_after_layer_{first + i}"] = round(after[i], 3)
         results[f"copied_layer_{first + i}"] = copied
+    worst = max(range(layers), key=lambda i: before[i])  # the least even layer, in order
+    gained = sum(a < b for a, b in zip(after, before))
+    print(f"evener after EPLB: {gained} of {layers} layers")
     print(f"tokens identical, before and after: {same}")
+    results["layers_gained"], results["moe_layers"] = gained, layers
+    results["least_even_layer"] = first + worst
+    results["least_even_before"] = round(before[worst], 3)
+    results["least_even_estimate"] = round(estimated[worst], 3)
+    results["least_even_after"] = round(after[worst], 3)
     print("the policy's estimate (worst layer), same load:")
     print(f"{'ranks':>5}{'extra':>7}{'in order':>10}{'EPLB':>8}")
     groups = cfg.moe.num_groups
     for ranks, extra in ((EP, REDUNDANT), *((r, r) for r in MORE_RANKS)):
         was, now = estimate(load, experts, groups, ranks, extra)
         print(f"{ranks:>5}{extra:>7}{was:>10.3f}{now:>8.3f}")
-        results[f"estimate_before_ranks_{ranks}"] = round(was, 4)
-        results[f"estimate_after_ranks_{ranks}"] = round(now, 4)
+        results[f"estimate_before_ranks_{ranks}"] = round(was, 3)
+        results[f"estimate_after_ranks_{ranks}"] = round(now, 3)
     results["more_ranks"] = list(MORE_RANKS)
     return results
 

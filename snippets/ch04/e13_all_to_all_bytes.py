@@ -8,10 +8,12 @@ the slower network (RDMA); traffic within a node uses NVLink.
 
 What crosses nodes depends on how copies are counted: one copy per expert, one
 per destination GPU, or one per destination node, forwarded inside that node
-(DeepEP's normal kernels forward from RDMA to NVLink this way). The experiment
-routes the same synthetic tokens as Experiment 12 twice: top-8 anywhere, and
-node-limited, the best 4 groups (nodes) first. Dispatch is FP8 with a float32
-scale per 128 values, and combine is BF16, as in DeepEP's published tests.
+(DeepEP's normal kernels dispatch this way: RDMA to the node, then NVLink to the
+GPUs). The tokens are synthetic, from a router with Experiment 12's middle skew
+but this experiment's own seed, so they are not Experiment 12's tokens. The
+experiment routes the same tokens twice: top-8 anywhere, and node-limited, the
+best 4 groups (nodes) first. Dispatch is FP8 with a float32 scale per 128
+values, and combine is BF16, as in DeepEP's published tests (its V1 docs).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ HIDDEN = 7168  # DeepSeek-V3's hidden_size
 SCALE_BLOCK = 128  # values per FP8 scale
 DISPATCH_BYTES = HIDDEN + HIDDEN // SCALE_BLOCK * 4  # FP8 values and fp32 scales
 COMBINE_BYTES = HIDDEN * 2  # bf16
-RDMA_GB_PER_S = 50  # one CX7 400 Gb/s card per GPU, as DeepEP's README puts it
+RDMA_GB_PER_S = 50  # one CX7 400 Gb/s card per GPU, as DeepEP's V1 docs put it
 BATCH_PER_GPU = 4096  # tokens on each GPU in one prefill micro-batch
 ROUTINGS = {"anywhere": GROUPS, "node-limited": 4}  # groups a token may use
 TIME_LABEL = "RDMA ms"  # time on the network cards only: no NVLink, no compute

@@ -7,6 +7,12 @@ At each of its MAX_TOKENS steps its logits are compared with the run alone:
 bitwise equal, or not, and by how much.
 Then REPEATS copies of it run among other requests, greedy, and the demo counts
 the distinct completions.
+
+With the mode off, which steps keep their bits, and by how much the others
+move, depends on the CPU and its math library: those lines begin with "~",
+and the check compares only that they are there. What holds on every machine
+is printed plainly: every step within TOLERANCE of the run alone, and the
+mode-on counts.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ COMPANY = [1, 4, 12]
 CHUNK = 8
 MAX_TOKENS = 6
 REPEATS = 100
+TOLERANCE = 1e-4  # far above float32's last bits on logits of this size
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -73,28 +80,36 @@ def distinct_completions(invariant: bool) -> int:
     return len({tuple(o.token_ids) for o in outs[::2]})
 
 
+def compare(mode: str, runs: dict, alone: list, results: dict) -> None:
+    """Each run's steps against the run alone; off, the counts vary with the machine."""
+    mark = "~" if mode == "off" else " "
+    worst = 0.0
+    for name, got in runs.items():
+        equal = sum(map(torch.equal, got, alone))
+        diff = max((g - a).abs().max().item() for g, a in zip(got, alone))
+        worst = max(worst, diff)
+        print(f"{mark} {name:<12} {equal} of {len(alone)}, largest diff {diff:.1e}")
+        if mode == "on":
+            results[f"on_{name.replace(' ', '_')}_equal"] = equal
+            results["on_total_equal"] = results.get("on_total_equal", 0) + equal
+    print(f"  every step within {TOLERANCE:.0e} of alone: {worst <= TOLERANCE}")
+    results[f"{mode}_within_tolerance"] = worst <= TOLERANCE
+
+
 def main() -> dict:
     results: dict = {"max_tokens": MAX_TOKENS, "chunk": CHUNK, "repeats": REPEATS}
+    results["tolerance"] = TOLERANCE
     for invariant in (False, True):
         mode = "on" if invariant else "off"
         alone = target_logits(invariant, 0)
         runs = {f"behind {n}": target_logits(invariant, n) for n in COMPANY}
         runs[f"chunks of {CHUNK}"] = target_logits(invariant, 1, max_num_batched_tokens=CHUNK)
         print(f"batch-invariant {mode}: steps bitwise equal to alone")
-        for name, got in runs.items():
-            equal = sum(map(torch.equal, got, alone))
-            diff = max((g - a).abs().max().item() for g, a in zip(got, alone))
-            print(f"  {name:<12} {equal} of {len(alone)}, largest diff {diff:.1e}")
-            key = name.replace(" ", "_")
-            results[f"{mode}_{key}_equal"] = equal
-            results[f"{mode}_{key}_diff"] = diff
+        compare(mode, runs, alone, results)
         distinct = distinct_completions(invariant)
         print(f"  {REPEATS} greedy completions in company: {distinct} distinct")
         print()
         results[f"{mode}_distinct"] = distinct
-        results[f"{mode}_total_equal"] = sum(
-            results[f"{mode}_{k.replace(' ', '_')}_equal"] for k in runs
-        )
     results["steps_compared"] = MAX_TOKENS * (len(COMPANY) + 1)
     return results
 

@@ -80,6 +80,12 @@ def main() -> dict:
     print()
     print(f"valid against the schema: {ok} of {SEEDS} with it,")
     print(f"  {ok_free} of {SEEDS} without it")
+    stopped = sum(o.finish_reason == "stop" for o in constrained)
+    stopped_free = sum(o.finish_reason == "stop" for o in free)
+    for label, outs in (("with the schema", constrained), ("without it", free)):
+        reasons = [o.finish_reason for o in outs]
+        counts = ", ".join(f"{r} {reasons.count(r)}" for r in ("stop", "length"))
+        print(f"finish reasons {label}: {counts}")
     counts = allowed_per_step(llm, spec, constrained[0].token_ids)
     vocab = llm.llm_engine.structured_output.vocab_size
     print(f"tokens allowed (of {vocab}) at the first steps:")
@@ -94,7 +100,9 @@ def main() -> dict:
         "allowed_first_steps": counts[:SHOWN_STEPS],
         "allowed_first": counts[0],
         "allowed_most": max(counts),
-        "finished_by_grammar": sum(o.finish_reason == "stop" for o in constrained),
+        "finished_by_grammar": stopped,
+        "stopped_free": stopped_free,
+        "max_tokens": MAX_TOKENS,
     }
 
 

@@ -10,6 +10,7 @@ size, and then with one fixed order for every batch.
 
 from __future__ import annotations
 
+import math
 import random
 import struct
 
@@ -22,6 +23,11 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
 def f32(x: float) -> float:
     """x rounded to the nearest float32, as float32 arithmetic stores it."""
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def f32_step(x: float) -> float:
+    """The gap between neighbouring float32 values near x (24-bit significand)."""
+    return 2.0 ** (math.frexp(x)[1] - 24)
 
 
 def splits_for(batch: int) -> int:
@@ -64,8 +70,14 @@ def main() -> dict:
     print()
     print(f"fixed order (no split) at every batch size: {len(set(fixed))} value")
     spread = max(variant) - min(variant)
+    splits = len({splits_for(b) for b in BATCHES})
+    print(f"split counts the library used: {splits}")
     print(f"distinct sums with the library's choice: {len(set(variant))}")
     print(f"their spread: {spread:.3g}, float64 sum: {exact:.9f}")
+    step = f32_step(alone)
+    steps = round(spread / step)
+    print(f"float32 values near the sum are {step:.3g} apart:")
+    print(f"  the spread is {steps} such steps, {steps + 1} values to land on")
     return {
         "row": ROW,
         "units": UNITS,
@@ -74,8 +86,15 @@ def main() -> dict:
         "distinct_variant": len(set(variant)),
         "distinct_fixed": len(set(fixed)),
         "batches": len(BATCHES),
+        "batch_sizes": BATCHES,
         "spread": spread,
         "same_as_alone": sum(t == alone for t in variant),
+        "others_same_as_alone": sum(t == alone for t in variant[1:]),
+        "others": len(BATCHES) - 1,
+        "split_counts": splits,
+        "float_step": step,
+        "spread_steps": steps,
+        "landing_values": steps + 1,
     }
 
 

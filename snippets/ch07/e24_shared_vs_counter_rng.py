@@ -4,8 +4,9 @@ Every step, each request in the batch draws its next token from its own
 distribution over a toy vocabulary. With one shared stream, each row takes
 the next numbers from it, so a request's draws depend on how many rows come
 before it. With counter-based draws, the uniform for (seed, step, token) is a
-hash of those three numbers alone, as in DeepInfer's sampler, and the token
-is the winner of an exponential race: argmax of p / E, E = -log(uniform).
+hash of those three numbers alone, derived as DeepInfer's sampler derives it
+(engine/layers/sampler.py, exponential_noise), and the token is the winner of
+an exponential race: argmax of p / E, E = -log(uniform).
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ def mix32(x: int) -> int:
 
 
 def uniform(seed: int, step: int, token: int) -> float:
-    """A number in (0, 1) from (seed, step, token) alone."""
-    key = mix32(mix32(seed & MASK32) ^ step)
-    bits = mix32(key ^ mix32(token ^ 0x5BD1E995)) >> 9
+    """A number in (0, 1) from (seed, step, token) alone, keyed as the engine's
+    sampler keys it: both halves of the seed, then the step, then the token."""
+    key = mix32(mix32(seed & MASK32) ^ (seed >> 32))
+    key = mix32(key ^ (step & MASK32))
+    bits = mix32(key ^ mix32(token ^ 0x5BD1E995)) >> 9  # the top 23 of 32 bits
     return (bits + 0.5) * 2.0**-23
 
 
