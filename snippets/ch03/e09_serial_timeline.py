@@ -75,6 +75,7 @@ def main() -> dict:
     results: dict = {"steps": STEPS, "cpu_us_per_step": per_step}
     results["cpu_us_per_request"] = per_request
     results["largest_batch"] = BATCHES[-1]
+    results["batch_sizes"] = BATCHES
     for name, params in MODELS.items():
         key = name.split("-")[0].lower()
         print()
