@@ -169,26 +169,23 @@ def rounded(value: float) -> float:
     return float(f"{value:.6g}")
 
 
-def engine_snippets() -> list[str]:
-    """The snippets whose output passes through torch's or the engine's float kernels."""
+def imported_modules(path: str) -> set[str]:
+    """The top-level packages a snippet imports (absolute imports only)."""
     import ast
 
-    found = []
-    for path in discover():
-        tree = ast.parse((ROOT / path).read_text(), filename=path)
-        modules = {
-            alias.name.split(".")[0]
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Import)
-            for alias in node.names
-        } | {
-            node.module.split(".")[0]
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
-        }
-        if modules & {"engine", "torch"}:
-            found.append(path)
-    return found
+    tree = ast.parse((ROOT / path).read_text(), filename=path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def engine_snippets() -> list[str]:
+    """The snippets whose output passes through torch's or the engine's float kernels."""
+    return [p for p in discover() if imported_modules(p) & {"engine", "torch"}]
 
 
 def run(

@@ -6,7 +6,6 @@ environment of snippets/_runner.py and its stdout must equal the .out beside it.
 
 from __future__ import annotations
 
-import ast
 import re
 import sys
 from pathlib import Path
@@ -66,22 +65,11 @@ def test_output_matches_record(path: str) -> None:
         assert sidecar.read_text() == runner.results_text(results), runner.regen_hint(path)
 
 
-def imported_modules(path: str) -> set[str]:
-    tree = ast.parse((ROOT / path).read_text(), filename=path)
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names
-
-
 def test_experiments_use_only_the_standard_library() -> None:
     offenders = {}
     for path, _, number in experiments():
         allowed = set(sys.stdlib_module_names) | {"__future__"} | NON_STDLIB.get(number, set())
-        extra = imported_modules(path) - allowed
+        extra = runner.imported_modules(path) - allowed
         if extra:
             offenders[path] = sorted(extra)
     assert not offenders, f"experiments import beyond the standard library: {offenders}"
@@ -174,22 +162,22 @@ def reading_path_problems(markdown: str) -> list[str]:
     and its output. A Predict box after the listing, or a listing in the open,
     would put 2,000 px of code between the question and the reader."""
     lines = strip_html_comments(markdown).splitlines()
-    problems, since_output, predicted = [], 0, False
+    problems, listed, predicted = [], False, False
     for i, line in enumerate(lines):
         if PREDICT_BLOCK.match(line):
             predicted = True
         m = INCLUDE.match(line)
-        if not m or is_excerpt(m["path"]) or m["path"].startswith("engine/"):
+        if not m or is_excerpt(m["path"]):
             continue
         path = m["path"]
         if path.endswith(".out"):
-            if predicted and since_output:
+            if predicted and listed:
                 problems.append(f"line {i + 1}: a Predict box stands after {path[:-4]}.py")
-            since_output, predicted = 0, False
+            listed, predicted = False, False
             continue
         if not path.endswith(".py"):
             continue
-        since_output = i + 1
+        listed = True
         if not LISTING_BLOCK.match(block_of(lines, i)):
             problems.append(f"line {i + 1}: {path} is not folded in a '??? listing' block")
         if runner.EXPERIMENT.match(path) and not predicted:
@@ -273,15 +261,12 @@ LONG_EXCERPTS = {
 
 
 def test_every_excerpt_reads_whole_on_a_screen() -> None:
-    from engine.tools.edition import extract
+    from engine.tools.edition import collect
 
     long = []
-    for page in sorted((ROOT / "docs").rglob("*.md")):
-        for line in strip_html_comments(page.read_text()).splitlines():
-            if (d := parse_directive(line)) is None:
-                continue
-            ex = extract(ROOT, d[1], d[2], d[3])
-            lines = len(ex.text.splitlines())
-            if lines > EXCERPT_LINES and ex.ref not in LONG_EXCERPTS:
-                long.append(f"{page.relative_to(ROOT)}: {ex.ref} is {lines} lines")
+    for e in collect(ROOT):  # every excerpt every page shows, as the edition records it
+        ref = f"{e['file']}{'::' if e['kind'] == 'name' else ':'}{e['name']}"
+        lines = len(e["text"].splitlines())
+        if lines > EXCERPT_LINES and ref not in LONG_EXCERPTS:
+            long.append(f"docs/{e['page']}: {ref} is {lines} lines")
     assert not long, f"excerpts over {EXCERPT_LINES} lines:\n" + "\n".join(long)
