@@ -7,6 +7,9 @@
 #   make regen     rewrite every recorded output, plot and the edition manifest (nothing else writes)
 #   make lint      ruff check and ruff format --check
 #   make pdf       the site with the whole book as one PDF in it: site/inside-deepinfer.pdf
+#   make mutate    mutation testing of the engine's core modules, and the score per module
+#                  (not part of make test; hours on 2 cores for all of them). One module:
+#                  make mutate MUTANTS='engine.scheduler.*'
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -22,7 +25,7 @@ export CHROMIUM ?= /usr/bin/chromium
 # Material prints a notice about MkDocs 2 on every build; the book pins MkDocs 1.
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: serve build test snippets regen lint chromium clean pdf
+.PHONY: serve build test snippets regen lint chromium clean pdf mutate
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +76,17 @@ chromium:
 test: $(VENV)/.all chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# mutmut's settings (the modules, the tests) are [tool.mutmut] in pyproject.toml.
+# It keeps its results in mutants/, so a second run redoes only what changed.
+MUTANTS ?=
+$(VENV)/.mutate: pyproject.toml $(VENV)/.all
+	$(BIN)/pip install -q --group mutate
+	touch $@
+
+mutate: $(VENV)/.mutate
+	-$(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	$(BIN)/mutmut results --all true | $(BIN)/python tests/mutation_score.py
+
 # Every test that keeps prose, excerpts, outputs and plots in step.
 GUARD_TESTS := $(wildcard tests/test_snippets.py tests/test_snippet_sources.py tests/test_results.py \
 	tests/test_page_guard.py tests/test_prose.py tests/test_plots.py tests/test_edition.py \
@@ -89,4 +103,4 @@ lint: $(VENV)/.all
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf site build test-artifacts .pytest_cache
+	rm -rf site build test-artifacts .pytest_cache mutants
