@@ -111,14 +111,33 @@ class ModelConfig:
         )
 
 
+# What transformers' DeepseekV3Config reads for a field config.json leaves out:
+# DeepSeek-V3's own values. A checkpoint that omits one means this, so the engine
+# reads it too. An explicit null still means none (q_lora_rank) or one group.
+DEEPSEEK_DEFAULTS = {
+    "q_lora_rank": 1536,
+    "rope_interleave": True,
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3,
+}
+
+
+def _deepseek(raw: dict, name: str):
+    return raw.get(name, DEEPSEEK_DEFAULTS[name])
+
+
 def _mla(raw: dict) -> MLAConfig:
     return MLAConfig(
-        q_lora_rank=raw.get("q_lora_rank"),
+        q_lora_rank=_deepseek(raw, "q_lora_rank"),
         kv_lora_rank=raw["kv_lora_rank"],
         qk_nope_head_dim=raw["qk_nope_head_dim"],
         qk_rope_head_dim=raw["qk_rope_head_dim"],
         v_head_dim=raw["v_head_dim"],
-        rope_interleave=raw.get("rope_interleave", True),
+        rope_interleave=_deepseek(raw, "rope_interleave"),
     )
 
 
@@ -133,19 +152,19 @@ def _moe(raw: dict) -> MoEConfig:
             raise ValueError(
                 f"unsupported {name} {raw[name]!r} in config.json; supported: {supported!r}"
             )
-    experts, groups = raw["n_routed_experts"], raw.get("n_group") or 1
+    experts, groups = raw["n_routed_experts"], _deepseek(raw, "n_group") or 1
     if experts % groups:
         raise ValueError(f"n_routed_experts {experts} is not divisible by n_group {groups}")
     return MoEConfig(
         num_experts=experts,
-        num_shared_experts=raw.get("n_shared_experts") or 0,
+        num_shared_experts=_deepseek(raw, "n_shared_experts") or 0,
         intermediate_size=raw["moe_intermediate_size"],
         top_k=raw["num_experts_per_tok"],
         num_groups=groups,
-        topk_groups=raw.get("topk_group") or 1,
-        norm_topk_prob=raw.get("norm_topk_prob", True),
-        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
-        first_k_dense_replace=raw.get("first_k_dense_replace", 0),
+        topk_groups=_deepseek(raw, "topk_group") or 1,
+        norm_topk_prob=_deepseek(raw, "norm_topk_prob"),
+        routed_scaling_factor=_deepseek(raw, "routed_scaling_factor"),
+        first_k_dense_replace=_deepseek(raw, "first_k_dense_replace"),
     )
 
 
