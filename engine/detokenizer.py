@@ -23,16 +23,19 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], finished: bool) -> bool:
         """Add the new tokens' text. True if a stop string ends the text; if the
-        request finished otherwise, flush what is held back."""
+        request finished otherwise, flush what is held back, which a stop string
+        may end too."""
         for token in new_token_ids:
             self.token_ids.append(token)
             new_text = self._decode_next()
             self.text += new_text
             if self._cut_at_stop_string(new_text):
                 return True
-        if finished:
-            self.text += self._flush()
-        return False
+        if not finished:
+            return False
+        flushed = self._flush()  # may end a stop string the held-back bytes hid
+        self.text += flushed
+        return self._cut_at_stop_string(flushed)
 
     def _decode_next(self) -> str:
         """The text the newest token adds, or "" while it is an incomplete character.

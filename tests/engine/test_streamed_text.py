@@ -157,3 +157,35 @@ def test_streamed_and_final_text_agree_with_decoding_at_once(
         assert decoded.startswith(final.text)
         assert any(decoded[len(final.text) :].startswith(s) for s in stop)
         assert not any(s in final.text for s in stop)
+
+
+def byte_level_tokenizer_with(*merged: tuple[str, str]) -> Tokenizer:
+    """A byte-level BPE tokenizer over the 256 bytes plus the given merges, as
+    GPT-2-style vocabularies have them: a token can hold a whole character and
+    the first byte of the next one."""
+    from tokenizers import decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    for a, b in merged:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merged)))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def test_a_stop_string_in_the_text_flushed_at_the_end_still_stops() -> None:
+    """Bug guarded: the flush at the end skipping the stop-string check. The last
+    token is "a" and the first byte of "東" (ByteLevel spells byte 0xE6 as "æ"), so
+    its "a" is held back with the broken character; when the request ends there,
+    the flushed text holds the stop string "a", and the text is cut before it."""
+    tok = byte_level_tokenizer_with(("a", "æ"))
+    ids = tok.encode("a東").ids
+    assert tok.decode(ids[:1]) == "a\ufffd"  # the merged token: "a", then a broken byte
+    proc = OutputProcessor(tok)
+    proc.add_request("r", "xy", tok.encode("xy").ids, SamplingParams(stop=["a"]))
+    out = proc.process_outputs([EngineCoreOutput("r", ids[:1], finish_reason="length")])
+    final = out.request_outputs[0]
+    assert (final.text, final.finish_reason) == ("", "stop")
+    assert out.reqs_to_abort == []  # the core had finished it already
