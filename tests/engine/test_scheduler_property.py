@@ -1,0 +1,112 @@
+"""The scheduler on random workloads: requests of random lengths arrive at random
+steps into a cache too small for all of them, some sharing a prompt prefix, and
+a model that answers each position with its own token. Every step keeps the
+scheduler's books straight, and every request ends with the output it would
+have had alone, however often it was preempted.
+
+Each step: a request is in exactly one of waiting and running, with the status
+that says so; a waiting one holds no block and has nothing computed; the held
+and the free blocks partition the cache; the step keeps to its token budget and
+its sequence limit; and each request's preemptions, its own count, its PREEMPTED
+events and the engine's total, agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager
+from engine.outputs import EngineCoreEventType, ModelRunnerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.stats import EngineStats
+
+
+@dataclass
+class Workload:
+    block_size: int
+    num_blocks: int
+    budget: int
+    max_num_seqs: int
+    requests: list[tuple[int, int, int, int]]  # (prompt family, prompt length, max_tokens, step)
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> Workload:
+    block_size = draw(st.sampled_from([2, 4]))
+    num_blocks = draw(st.integers(3, 10))
+    capacity = num_blocks * block_size
+    request = st.tuples(
+        st.integers(0, 2), st.integers(1, 12), st.integers(1, 8), st.integers(0, 6)
+    ).filter(lambda r: r[1] + r[2] <= capacity)  # each fits alone
+    return Workload(
+        block_size,
+        num_blocks,
+        draw(st.integers(block_size, 24)),
+        draw(st.integers(1, 4)),
+        draw(st.lists(request, min_size=1, max_size=6)),
+    )
+
+
+def answer(request_id: str, position: int) -> int:
+    """The model: the token a request gets at each output position, 100 and up."""
+    return 100 + (hash((request_id, position)) % 50)
+
+
+def check_books(sched: Scheduler, seqs: dict[str, Sequence], preempted: dict[str, int]) -> None:
+    running, waiting = sched.running, list(sched.waiting)
+    assert not {id(s) for s in running} & {id(s) for s in waiting}
+    assert all(s.status is SequenceStatus.RUNNING for s in running)
+    assert all(s.status is SequenceStatus.WAITING for s in waiting)
+    assert all(s.block_table == [] and s.num_computed_tokens == 0 for s in waiting)
+    held = {b for s in running for b in s.block_table}
+    bm = sched.block_manager
+    assert not held & set(bm.free_blocks)
+    assert len(held) + bm.num_free_blocks == len(bm.blocks)
+    for rid, seq in seqs.items():
+        pending = sum(e.type is EngineCoreEventType.PREEMPTED for e in seq.events)
+        assert seq.num_preemptions == preempted[rid] + pending, rid
+    assert sched.stats.preemptions == sum(s.num_preemptions for s in seqs.values())
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(workloads())
+def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload) -> None:
+    sched = Scheduler(
+        w.max_num_seqs, w.budget, BlockManager(w.num_blocks, w.block_size), EngineStats()
+    )
+    prompts = {f: [f * 1000 + i for i in range(12)] for f in range(3)}
+    arrivals = sorted((step, i) for i, (_, _, _, step) in enumerate(w.requests))
+    seqs: dict[str, Sequence] = {}
+    preempted: dict[str, int] = {}
+    step = 0
+    while arrivals or sched.has_unfinished():
+        while arrivals and arrivals[0][0] <= step:
+            i = arrivals.pop(0)[1]
+            family, length, max_tokens, _ = w.requests[i]
+            seq = Sequence(f"r{i}", prompts[family][:length], SamplingParams(max_tokens=max_tokens))
+            seqs[seq.request_id] = seq
+            preempted[seq.request_id] = 0
+            sched.add(seq)
+        out = sched.schedule()
+        assert sum(item.num_new_tokens for item in out.scheduled) <= w.budget
+        assert len(out.scheduled) <= w.max_num_seqs
+        sampled = [item.req_id for item in out.scheduled if item.samples]
+        tokens = [answer(r, seqs[r].num_output_tokens) for r in sampled]
+        result = ModelRunnerOutput(sampled, torch.tensor(tokens, dtype=torch.int64))
+        for core in sched.update_from_output(out, result):
+            preempted[core.request_id] += sum(
+                e.type is EngineCoreEventType.PREEMPTED for e in core.events
+            )
+        check_books(sched, seqs, preempted)
+        step += 1
+        assert step < 500, "the workload did not drain"
+    for rid, seq in seqs.items():
+        want = [answer(rid, k) for k in range(seq.params.max_tokens)]
+        assert (seq.output_token_ids, seq.finish_reason) == (want, "length"), rid
+    assert sched.block_manager.num_free_blocks == w.num_blocks
