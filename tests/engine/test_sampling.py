@@ -130,6 +130,24 @@ def test_filters_apply_temperature_then_top_k_top_p_min_p() -> None:
             assert torch.allclose(probs, want, atol=1e-6), p
 
 
+def test_each_row_of_a_mixed_batch_keeps_its_own_filters() -> None:
+    """Rows with different settings share one set of tensor operations: top-k
+    takes the batch's largest k, then cuts each row at its own, and top-p runs
+    for the batch when any row asks. Each row must still get exactly its own
+    filtered distribution: a row with a smaller k keeps k tokens, not k + 1, and
+    a row with top_p 1 keeps its whole tail, even where float32's running mass
+    reaches 1 before the last token (the last row: one token holds almost all)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(len(FILTERS) + 1, 40, generator=g, dtype=torch.float64) * 2
+    logits[-1, 0] = 30.0  # the others' mass, about 40 * e**-30, vanishes in a float32 sum
+    params = [*FILTERS, SamplingParams(temperature=1.0, top_k=20)]
+    got = engine_probs(logits.float(), params).double()
+    for row, p, probs in zip(logits.tolist(), params, got):
+        want = torch.tensor(reference_probs(row, p), dtype=torch.float64)
+        assert torch.equal(probs > 0, want > 0), p
+        assert torch.allclose(probs, want, atol=1e-6), p
+
+
 def chi_square_critical(df: int, z: float = 3.72) -> float:
     """The chi-square quantile at z standard deviations (3.72: one in 10,000),
     by the Wilson-Hilferty approximation."""
