@@ -8,7 +8,9 @@ Each step: a request is in exactly one of waiting and running, with the status
 that says so; a waiting one holds no block and has nothing computed; the held
 and the free blocks partition the cache; the step keeps to its token budget and
 its sequence limit; and each request's preemptions, its own count, its PREEMPTED
-events and the engine's total, agree.
+events and the engine's total, agree. Some requests are aborted from outside the
+step, waiting or running: they end with reason "abort" and give their blocks
+back, and the engine's count of finished requests leaves them out.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class Workload:
     num_blocks: int
     budget: int
     max_num_seqs: int
-    requests: list[tuple[int, int, int, int]]  # (prompt family, prompt length, max_tokens, step)
+    # (prompt family, prompt length, max_tokens, arrival step, abort step or None)
+    requests: list[tuple[int, int, int, int, int | None]]
 
 
 @st.composite
@@ -42,7 +45,11 @@ def workloads(draw: st.DrawFn) -> Workload:
     num_blocks = draw(st.integers(3, 10))
     capacity = num_blocks * block_size
     request = st.tuples(
-        st.integers(0, 2), st.integers(1, 12), st.integers(1, 8), st.integers(0, 6)
+        st.integers(0, 2),
+        st.integers(1, 12),
+        st.integers(1, 8),
+        st.integers(0, 6),
+        st.none() | st.integers(0, 12),
     ).filter(lambda r: r[1] + r[2] <= capacity)  # each fits alone
     return Workload(
         block_size,
@@ -81,18 +88,21 @@ def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload)
         w.max_num_seqs, w.budget, BlockManager(w.num_blocks, w.block_size), EngineStats()
     )
     prompts = {f: [f * 1000 + i for i in range(12)] for f in range(3)}
-    arrivals = sorted((step, i) for i, (_, _, _, step) in enumerate(w.requests))
+    arrivals = sorted((r[3], i) for i, r in enumerate(w.requests))
     seqs: dict[str, Sequence] = {}
     preempted: dict[str, int] = {}
     step = 0
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= step:
             i = arrivals.pop(0)[1]
-            family, length, max_tokens, _ = w.requests[i]
+            family, length, max_tokens, _, _ = w.requests[i]
             seq = Sequence(f"r{i}", prompts[family][:length], SamplingParams(max_tokens=max_tokens))
             seqs[seq.request_id] = seq
             preempted[seq.request_id] = 0
             sched.add(seq)
+        aborts = [f"r{i}" for i, r in enumerate(w.requests) if r[4] == step]
+        sched.finish_requests([r for r in aborts if r in seqs], "abort")
+        check_books(sched, seqs, preempted)
         out = sched.schedule()
         assert sum(item.num_new_tokens for item in out.scheduled) <= w.budget
         assert len(out.scheduled) <= w.max_num_seqs
@@ -108,5 +118,11 @@ def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload)
         assert step < 500, "the workload did not drain"
     for rid, seq in seqs.items():
         want = [answer(rid, k) for k in range(seq.params.max_tokens)]
-        assert (seq.output_token_ids, seq.finish_reason) == (want, "length"), rid
+        assert seq.is_finished and rid not in sched.requests
+        if seq.finish_reason == "abort":  # cut short: what it had is still right
+            assert seq.output_token_ids == want[: seq.num_output_tokens], rid
+        else:
+            assert (seq.output_token_ids, seq.finish_reason) == (want, "length"), rid
+    ended = sum(s.finish_reason == "length" for s in seqs.values())
+    assert sched.stats.finished_requests == ended
     assert sched.block_manager.num_free_blocks == w.num_blocks
