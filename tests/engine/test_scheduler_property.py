@@ -7,7 +7,8 @@ have had alone, however often it was preempted.
 Each step: a request is in exactly one of waiting and running, with the status
 that says so; a waiting one holds no block and has nothing computed; the held
 and the free blocks partition the cache; the step keeps to its token budget and
-its sequence limit; and each request's preemptions, its own count, its PREEMPTED
+its sequence limit; a request's chunks follow one another, each starting where
+the last one ended, until it is preempted; and each request's preemptions, its own count, its PREEMPTED
 events and the engine's total, agree. Some requests are aborted from outside the
 step, waiting or running: they end with reason "abort" and give their blocks
 back, and the engine's count of finished requests leaves them out.
@@ -25,6 +26,7 @@ from engine.block_manager import BlockManager
 from engine.outputs import EngineCoreEventType, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import ScheduledRequest
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats
 
@@ -81,6 +83,23 @@ def check_books(sched: Scheduler, seqs: dict[str, Sequence], preempted: dict[str
     assert sched.stats.preemptions == sum(s.num_preemptions for s in seqs.values())
 
 
+def check_chunks(
+    scheduled: list[ScheduledRequest],
+    seqs: dict[str, Sequence],
+    chunk_ends: dict[str, tuple[int, int]],
+) -> None:
+    """Each scheduled chunk is the request's next tokens: it starts where the one
+    before it ended, unless the request was preempted in between."""
+    for item in scheduled:
+        seq = seqs[item.req_id]
+        start = item.num_computed_tokens
+        assert item.token_ids == seq.token_ids[start : start + item.num_new_tokens]
+        last = chunk_ends.get(item.req_id)
+        if last is not None and last[0] == seq.num_preemptions:
+            assert start == last[1], (item.req_id, start, last)
+        chunk_ends[item.req_id] = (seq.num_preemptions, start + item.num_new_tokens)
+
+
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(workloads())
 def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload) -> None:
@@ -91,6 +110,9 @@ def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload)
     arrivals = sorted((r[3], i) for i, r in enumerate(w.requests))
     seqs: dict[str, Sequence] = {}
     preempted: dict[str, int] = {}
+    chunk_ends: dict[
+        str, tuple[int, int]
+    ] = {}  # request -> (preemptions, where its last chunk ended)
     step = 0
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= step:
@@ -106,6 +128,7 @@ def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload)
         out = sched.schedule()
         assert sum(item.num_new_tokens for item in out.scheduled) <= w.budget
         assert len(out.scheduled) <= w.max_num_seqs
+        check_chunks(out.scheduled, seqs, chunk_ends)
         sampled = [item.req_id for item in out.scheduled if item.samples]
         tokens = [answer(r, seqs[r].num_output_tokens) for r in sampled]
         result = ModelRunnerOutput(sampled, torch.tensor(tokens, dtype=torch.int64))
