@@ -84,7 +84,7 @@ $(VENV)/.mutate: pyproject.toml $(VENV)/.all
 	touch $@
 
 mutate: $(VENV)/.mutate
-	-OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	-OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false $(BIN)/mutmut run --max-children 2 $(MUTANTS)
 	$(BIN)/mutmut results --all true | $(BIN)/python tests/mutation_score.py
 
 # Every test that keeps prose, excerpts, outputs and plots in step.
