@@ -7,9 +7,9 @@ have had alone, however often it was preempted.
 Each step: a request is in exactly one of waiting and running, with the status
 that says so; a waiting one holds no block and has nothing computed; the held
 and the free blocks partition the cache; the step keeps to its token budget and
-its sequence limit; a request's chunks follow one another, each starting where
+its sequence limit (a budget of one token included); a request's chunks follow one another, each starting where
 the last one ended, until it is preempted; and each request's preemptions, its own count, its PREEMPTED
-events and the engine's total, agree. Some requests are aborted from outside the
+events and the engine's total, agree, and only an admission reports cached tokens. Some requests are aborted from outside the
 step, waiting or running: they end with reason "abort" and give their blocks
 back, and the engine's count of finished requests leaves them out.
 """
@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
-from engine.outputs import EngineCoreEventType, ModelRunnerOutput
+from engine.outputs import EngineCoreEvent, EngineCoreEventType, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ScheduledRequest
@@ -56,7 +56,7 @@ def workloads(draw: st.DrawFn) -> Workload:
     return Workload(
         block_size,
         num_blocks,
-        draw(st.integers(block_size, 24)),
+        draw(st.integers(1, 24)),
         draw(st.integers(1, 4)),
         draw(st.lists(request, min_size=1, max_size=6)),
     )
@@ -81,6 +81,16 @@ def check_books(sched: Scheduler, seqs: dict[str, Sequence], preempted: dict[str
         pending = sum(e.type is EngineCoreEventType.PREEMPTED for e in seq.events)
         assert seq.num_preemptions == preempted[rid] + pending, rid
     assert sched.stats.preemptions == sum(s.num_preemptions for s in seqs.values())
+    assert sched.stats.generated_tokens == sum(s.num_output_tokens for s in seqs.values())
+
+
+def check_event(event: EngineCoreEvent, block_size: int) -> None:
+    """Only an admission finds cached tokens: whole blocks, short of the last token."""
+    if event.type is EngineCoreEventType.SCHEDULED:
+        cached = event.num_cached_tokens
+        assert cached % block_size == 0 and cached < event.num_tokens, event
+    else:
+        assert event.num_cached_tokens == 0, event
 
 
 def check_chunks(
@@ -100,8 +110,13 @@ def check_chunks(
         chunk_ends[item.req_id] = (seq.num_preemptions, start + item.num_new_tokens)
 
 
+# Four requests that outgrow six 2-token blocks: the newest is preempted twice.
+CROWDED = Workload(2, 6, 24, 4, [(f, 2, 8, 0, None) for f in (0, 1, 2, 0)])
+
+
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(workloads())
+@example(CROWDED)
 def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload) -> None:
     sched = Scheduler(
         w.max_num_seqs, w.budget, BlockManager(w.num_blocks, w.block_size), EngineStats()
@@ -133,9 +148,9 @@ def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload)
         tokens = [answer(r, seqs[r].num_output_tokens) for r in sampled]
         result = ModelRunnerOutput(sampled, torch.tensor(tokens, dtype=torch.int64))
         for core in sched.update_from_output(out, result):
-            preempted[core.request_id] += sum(
-                e.type is EngineCoreEventType.PREEMPTED for e in core.events
-            )
+            for event in core.events:
+                check_event(event, w.block_size)
+                preempted[core.request_id] += event.type is EngineCoreEventType.PREEMPTED
         check_books(sched, seqs, preempted)
         step += 1
         assert step < 500, "the workload did not drain"
