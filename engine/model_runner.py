@@ -114,9 +114,12 @@ class ModelRunner:
 
     def _compiled_decode(self) -> CompiledDecode | None:
         want = self.config.compile_decode
-        why_not = can_compile(self.model, self.device)
         if self.config.enforce_eager:
             why_not = "enforce_eager=True asks for no compilation"
+        elif want is False:  # off (the default): skip the probe, seconds of compiler runs
+            return None
+        else:
+            why_not = can_compile(self.model, self.device)
         if want and why_not:
             raise ValueError(f"compile_decode=True cannot be honoured: {why_not}")
         if want is False or why_not:  # None: wherever it can run
