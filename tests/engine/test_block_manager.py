@@ -17,13 +17,14 @@ def seq(tokens: list[int]) -> Sequence:
     return Sequence("s", tokens, SamplingParams())
 
 
-def admit(bm: BlockManager, s: Sequence) -> bool:
+def admit(bm: BlockManager, s: Sequence) -> list[int] | None:
+    """As the scheduler admits a whole prompt: the prefix hits, or None if it does not fit."""
     hits = bm.match_prefix(s.token_ids)
     if not bm.can_admit(hits, s.num_tokens):
-        return False
+        return None
     bm.take_cached(s, hits)
     assert bm.allocate(s, s.num_tokens)
-    return True
+    return hits
 
 
 def compute_all(bm: BlockManager, s: Sequence) -> None:
@@ -34,13 +35,13 @@ def compute_all(bm: BlockManager, s: Sequence) -> None:
 def test_shared_prefix_is_hit_and_the_last_token_never_is() -> None:
     bm = BlockManager(num_blocks=16, block_size=4)
     a = seq(list(range(12)))  # exactly 3 full blocks
-    assert admit(bm, a)
+    assert admit(bm, a) is not None
     compute_all(bm, a)
     b = seq(list(range(12)))
     assert bm.match_prefix(b.token_ids) == a.block_table[:2]  # the last block is recomputed
     c = seq(list(range(8)) + [99, 98, 97, 96, 1])
     assert bm.match_prefix(c.token_ids) == a.block_table[:2]
-    assert admit(bm, c)
+    assert admit(bm, c) is not None
     assert c.num_computed_tokens == 8
     assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
 
@@ -122,7 +123,7 @@ def test_random_traces_keep_every_invariant(seed: int) -> None:
         if op < 0.35:
             tokens = rng.choice(prefixes) + [rng.randrange(5) for _ in range(rng.randrange(1, 8))]
             s = seq(tokens)
-            if admit(bm, s):
+            if admit(bm, s) is not None:
                 live.append(s)
         elif op < 0.7 and live:
             s = rng.choice(live)

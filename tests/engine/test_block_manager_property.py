@@ -33,16 +33,7 @@ from engine.block_manager import BlockManager, chain_hash
 from engine.sequence import Sequence
 from engine.utils import cdiv
 from tests.engine.conftest import random_prompts
-
-
-def admit(bm: BlockManager, s: Sequence) -> list[int] | None:
-    """As the scheduler admits a whole prompt: the prefix hits, or None if it does not fit."""
-    hits = bm.match_prefix(s.token_ids)
-    if not bm.can_admit(hits, s.num_tokens):
-        return None
-    bm.take_cached(s, hits)
-    assert bm.allocate(s, s.num_tokens)
-    return hits
+from tests.engine.test_block_manager import admit
 
 
 def test_eviction_takes_a_freed_prefix_from_its_tail() -> None:

@@ -12,7 +12,14 @@ from engine.layers.router import GroupedTopKRouter
 HIDDEN, INTER = 32, 16
 
 
-def hf_config(n_group: int, topk_group: int, top_k: int, experts: int = 16):
+def hf_config(
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    experts: int = 16,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 2.5,
+):
     import transformers
 
     return transformers.DeepseekV3Config(
@@ -23,8 +30,8 @@ def hf_config(n_group: int, topk_group: int, top_k: int, experts: int = 16):
         topk_group=topk_group,
         num_experts_per_tok=top_k,
         n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
+        routed_scaling_factor=routed_scaling_factor,
+        norm_topk_prob=norm_topk_prob,
     )
 
 

@@ -33,6 +33,7 @@ from engine.distributed.placement import ExpertPlacement
 from engine.layers.moe import MoE
 from engine.layers.router import GroupedTopKRouter
 from tests.engine.conftest import random_prompts
+from tests.engine.test_moe import HIDDEN, INTER, hf_config
 
 # --- 1. config.json defaults, with transformers as the oracle ---------------------
 
@@ -154,7 +155,7 @@ def test_deepseek_checkpoint_without_rope_interleave_matches_transformers(
 
 # --- 2. the router's weights: norm_topk_prob x routed_scaling_factor ---------------
 
-HIDDEN, INTER, EXPERTS, GROUPS, TOPK_GROUPS, TOP_K = 32, 16, 12, 4, 2, 3
+EXPERTS, GROUPS, TOPK_GROUPS, TOP_K = 12, 4, 2, 3  # HIDDEN and INTER: test_moe.py's
 COMBOS = [(norm, scale) for norm in (True, False) for scale in (1.0, 2.5)]
 
 
@@ -212,20 +213,9 @@ def test_router_weights_match_a_float64_reference(norm: bool, scale: float) -> N
 def test_moe_layer_matches_transformers(norm: bool, scale: float) -> None:
     """The whole MoE layer (shared and routed experts) against transformers'
     DeepseekV3MoE, for every norm_topk_prob and routed_scaling_factor pair."""
-    import transformers
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    cfg = transformers.DeepseekV3Config(
-        hidden_size=HIDDEN,
-        moe_intermediate_size=INTER,
-        n_routed_experts=EXPERTS,
-        n_group=GROUPS,
-        topk_group=TOPK_GROUPS,
-        num_experts_per_tok=TOP_K,
-        n_shared_experts=1,
-        routed_scaling_factor=scale,
-        norm_topk_prob=norm,
-    )
+    cfg = hf_config(GROUPS, TOPK_GROUPS, TOP_K, EXPERTS, norm, scale)
     ours = make_moe(norm, scale, seed=1).float()
     hf = DeepseekV3MoE(cfg)
     with torch.no_grad():
