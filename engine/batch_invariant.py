@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.utils import cdiv
 
 ROW_TILE = 16  # rows per matrix-product call in batch-invariant mode

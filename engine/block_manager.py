@@ -7,10 +7,9 @@ which physical block holds which logical block of which sequence.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence as TokenList
 
+from engine.kv.hashing import chain_hash, chain_root
 from engine.sequence import Sequence
 from engine.utils import cdiv
 
@@ -23,22 +22,18 @@ class Block:
         self.token_ids: tuple[int, ...] = ()  # kept to verify a hash hit
 
 
-def chain_hash(parent: bytes | None, token_ids: TokenList[int]) -> bytes:
-    """A full block's identity: its tokens *and* everything before them.
-
-    Hashing the parent's hash in means two blocks with the same tokens but
-    different prefixes get different hashes, so a hit on block i implies that
-    blocks 0..i-1 matched too.
-    """
-    h = hashlib.sha256(parent or b"")
-    h.update(b",".join(str(t).encode() for t in token_ids))
-    return h.digest()
-
-
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        root: bytes | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Where every hash chain starts: the cache's model, KV format and block size.
+        self.root = root if root is not None else chain_root("", "", block_size)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks no sequence holds, in the order they will be reused: blocks with
         # nothing worth keeping first, then cached blocks, least recently freed
@@ -62,7 +57,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = None
+        parent = self.root
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -136,7 +131,7 @@ class BlockManager:
         full = num_computed // self.block_size
         for i in range(len(seq.block_hashes), full):
             chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.root
             h = chain_hash(parent, chunk)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]

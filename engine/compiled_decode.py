@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.layers.attention import compiled_layers
 
 logger = logging.getLogger(__name__)

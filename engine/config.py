@@ -212,6 +212,8 @@ class EngineConfig:
     dtype: torch.dtype | str | None = None  # None: bfloat16, or float32 on a CPU without
     # fast bf16 matmul (see default_cpu_dtype)
     block_size: int = 16
+    # The KV cache's element format. "auto": the model's dtype, the only one so far.
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -254,6 +256,8 @@ class EngineConfig:
             raise ValueError(f"model path {self.model!r} has no config.json")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         self.hf_config = ModelConfig.from_pretrained(path)
@@ -275,6 +279,16 @@ class EngineConfig:
                 "batch_invariant=True needs attention_backend 'torch' or 'triton': the 'cpu' "
                 "backend attends prompt chunks in batch-dependent order"
             )
+
+    @property
+    def kv_format(self) -> str:
+        """What one cached element is: with "auto", the model's dtype."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def model_identity(self) -> str:
+        """The model, as the prefix cache's hash chains name it."""
+        return f"{self.hf_config.architecture}:{Path(self.model).resolve().name}"
 
     def _check_expert_parallel(self) -> None:
         ep, moe = self.expert_parallel_size, self.hf_config.moe

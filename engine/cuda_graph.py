@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata, forward_context
+from engine.attention.backend import AttentionBackend
+from engine.attention.context import forward_context
+from engine.attention.metadata import AttentionMetadata
 
 
 def batch_buckets(max_batch: int) -> list[int]:

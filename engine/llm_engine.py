@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.distributed.eplb import imbalance, rebalance_experts
 from engine.distributed.placement import ExpertPlacement, initial_placement, rank_imbalance
 from engine.executor import Executor, UniProcExecutor
+from engine.kv.hashing import chain_root
 from engine.loader import load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -64,8 +65,9 @@ class LLMEngine:
             self.executor.after_step = self._eplb_clock
         cache = self.executor.kv_cache_config()
         self.max_model_len = cache.max_model_len
+        root = chain_root(config.model_identity, config.kv_format, cache.block_size)
         self.block_manager = BlockManager(
-            cache.num_blocks, cache.block_size, config.enable_prefix_caching
+            cache.num_blocks, cache.block_size, config.enable_prefix_caching, root
         )
         scheduler = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler(
@@ -87,7 +89,9 @@ class LLMEngine:
             )
         self.trace = None
         if config.trace:
-            self.trace = StepTrace(self, config.trace if isinstance(config.trace, str) else None)
+            path = config.trace if isinstance(config.trace, str) else None
+            runner, processor = self.executor.model_runner, self.output_processor
+            self.trace = StepTrace(self.scheduler, runner, processor, self.stats, path)
         self._num_added = 0
         # What start-up built (torch, the model's modules, the block pool) lives as
         # long as the engine: take it out of the garbage collector's full scans,

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata, forward_context, get_backend
+from engine.attention.backend import get_backend
+from engine.attention.context import forward_context
+from engine.attention.metadata import AttentionMetadata
 from engine.batch_invariant import use_fixed_row_tiles
 from engine.compiled_decode import CompiledDecode, can_compile
 from engine.config import EngineConfig

@@ -34,7 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from engine.model_runner import ModelRunner
+    from engine.output_processor import OutputProcessor
+    from engine.scheduler import Scheduler
+    from engine.stats import EngineStats
 
 STAGES = ("schedule", "prepare", "forward", "update", "process")
 
@@ -49,7 +52,19 @@ class Span:
 
 
 class StepTrace:
-    def __init__(self, engine: LLMEngine, path: str | None = None) -> None:
+    """Times the stages of the objects it is given: it wraps ``scheduler``'s
+    schedule and update_from_output, ``runner``'s prepare_inputs and
+    execute_prepared, and ``processor``'s process_outputs; a step's number is
+    ``stats.steps`` when its schedule returns."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        processor: OutputProcessor,
+        stats: EngineStats,
+        path: str | None = None,
+    ) -> None:
         self.path = path
         self.origin = time.perf_counter()
         self.main = threading.current_thread()
@@ -58,15 +73,19 @@ class StepTrace:
         self._last_update = 0  # the step whose outputs process_outputs gets next
         self._gpu: list[tuple[int, Any, Any]] = []  # (step, start, end) CUDA events unread
         self._gpu_origin = None
-        if engine.executor.model_runner.device.type == "cuda":
+        if runner.device.type == "cuda":
             torch.cuda.synchronize()
             self._gpu_origin = (torch.cuda.Event(enable_timing=True), self._now())
             self._gpu_origin[0].record()
-        self._attach(engine)
+        self._attach(scheduler, runner, processor, stats)
 
-    def _attach(self, engine: LLMEngine) -> None:
-        scheduler, processor = engine.scheduler, engine.output_processor
-        runner, stats = engine.executor.model_runner, engine.stats
+    def _attach(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        processor: OutputProcessor,
+        stats: EngineStats,
+    ) -> None:
         self._wrap(
             scheduler, "schedule", lambda a, out: out.scheduled and self._mark(out, stats.steps)
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
 from engine.kv_cache import PagedKV
 

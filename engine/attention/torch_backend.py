@@ -15,7 +15,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import PagedKV, store_kvcache
 from engine.layers.layernorm import rms_norm
 from engine.layers.rotary_embedding import rotary_embedding

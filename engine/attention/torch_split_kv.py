@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchBackend
 from engine.batch_invariant import one_query_per_row
 from engine.kv_cache import PagedKV

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.batch_invariant import one_query_per_row
 from engine.kv_cache import PagedKV
 

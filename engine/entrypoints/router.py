@@ -32,6 +32,7 @@ from engine.entrypoints.chat_template import ChatTemplate, load_chat_template
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.middleware import BodyLimit
 from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
+from engine.kv.hashing import chain_root
 
 logger = logging.getLogger("deepinfer.router")
 # Headers that belong to one hop, not to the request or response forwarded.
@@ -124,6 +125,8 @@ class Router:
         else:
             self.policy = RoundRobin(self.workers)
         self.tokens = Tokens(config.model if config.policy == "prefix" else None)
+        # The router's own chain root: keys need only agree with one another.
+        self.root = chain_root("router", "", config.block_size)
         self.metrics = RouterMetrics(self.workers)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0))
 
@@ -135,7 +138,7 @@ class Router:
             except ValueError:
                 ids = None
             if ids is not None:
-                key = prefix_key(ids, self.config.block_size, self.config.prefix_blocks)
+                key = prefix_key(ids, self.config.block_size, self.config.prefix_blocks, self.root)
         return self.policy.candidates(key)
 
     async def forward(self, request: Request) -> Response:

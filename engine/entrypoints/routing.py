@@ -3,8 +3,8 @@
 Prefix affinity sends prompts that begin alike to the same worker, whose
 prefix cache then already holds their common blocks. The key is the chain hash
 of the prompt's leading blocks, the hash the prefix cache itself files blocks
-under, so two prompts get one key exactly when their first blocks would hit
-the same cache entries. Keys are placed on a consistent-hash ring, so that a
+under (from the router's own root), so two prompts get one key exactly when
+their first blocks would hit the same cache entries. Keys are placed on a consistent-hash ring, so that a
 worker going away moves only its own keys; and no worker takes more than
 `load_factor` times the mean load in flight (consistent hashing with bounded
 loads, Mirrokni, Thorup and Zadimoghaddam, 2018), so one hot prefix cannot
@@ -18,7 +18,7 @@ import math
 from bisect import bisect
 from dataclasses import dataclass
 
-from engine.block_manager import chain_hash
+from engine.kv.hashing import chain_hash
 
 VIRTUAL_NODES = 64  # points per worker on the ring: an even share of the keys each
 
@@ -30,12 +30,14 @@ class Worker:
     in_flight: int = 0
 
 
-def prefix_key(token_ids: list[int], block_size: int, max_blocks: int) -> bytes | None:
+def prefix_key(token_ids: list[int], block_size: int, max_blocks: int, root: bytes) -> bytes | None:
     """The chain hash of the prompt's first full blocks (at most ``max_blocks``),
     counting blocks as the prefix cache does: the last token is never cached.
     None for a prompt too short to share a block."""
     full = min((len(token_ids) - 1) // block_size, max_blocks)
-    key = None
+    if full < 1:
+        return None
+    key = root
     for i in range(full):
         key = chain_hash(key, token_ids[i * block_size : (i + 1) * block_size])
     return key

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from engine.attention import get_forward_context
+from engine.attention.context import get_forward_context
 from engine.kv_cache import FullAttentionSpec, PagedKV
 
 

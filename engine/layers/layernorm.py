@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import get_forward_context
+from engine.attention.context import get_forward_context
 
 
 class RMSNorm(nn.Module):

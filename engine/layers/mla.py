@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import get_forward_context
+from engine.attention.context import get_forward_context
 from engine.kv_cache import MLACacheSpec, store_latent
 from engine.utils import cdiv
 

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from engine.attention import get_forward_context
+from engine.attention.context import get_forward_context
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Collection, Mapping
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,10 +18,18 @@ from engine.utils import cdiv
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from engine.sequence import Sequence
-
 # xgrammar's errors begin with a time and a C++ source location: keep the message.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class GrammarHolder(Protocol):
+    """What a mask needs of a request: its matcher, and the tokens it has made."""
+
+    @property
+    def structured_output(self) -> StructuredOutputRequest | None: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 class StructuredOutputManager:
@@ -78,7 +86,7 @@ class StructuredOutputManager:
         return self._compiler
 
     def fill_bitmask(
-        self, scheduler_output: SchedulerOutput, requests: Mapping[str, Sequence]
+        self, scheduler_output: SchedulerOutput, requests: Mapping[str, GrammarHolder]
     ) -> None:
         """Set ``scheduler_output.grammar``: the tokens allowed to every row that
         samples under a grammar this step, from every token it has so far. Bit j
@@ -99,7 +107,7 @@ class StructuredOutputManager:
 
     @staticmethod
     def requests_needing_tokens(
-        scheduler_output: SchedulerOutput, requests: Mapping[str, Sequence]
+        scheduler_output: SchedulerOutput, requests: Mapping[str, GrammarHolder]
     ) -> list[str]:
         """The scheduled requests that sample under a grammar. Their masks need
         their previous tokens: a sync point for an engine that runs ahead."""

@@ -17,7 +17,7 @@ import time
 import torch
 
 from engine import csrc
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import reference
 from engine.kv_cache import PagedKV

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
 from tests.conftest import ROOT
 from tests.engine.conftest import random_prompts

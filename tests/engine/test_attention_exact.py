@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import csrc
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_split_kv import KV_SPLIT, TorchSplitKVBackend
 from engine.kv_cache import PagedKV
 

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.batch_invariant import ROW_TILE, linear, one_query_per_row
 from tests.conftest import ROOT
 from tests.engine.invariance import compare, scenarios

@@ -9,6 +9,7 @@ import pytest
 
 import engine.block_manager as bm_module
 from engine.block_manager import BlockManager
+from engine.kv.hashing import chain_root
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -139,3 +140,35 @@ def test_random_traces_keep_every_invariant(seed: int) -> None:
     for s in live:
         bm.free(s)
     assert bm.num_free_blocks == 24
+
+
+def test_caches_of_two_models_formats_or_block_sizes_name_no_block_alike() -> None:
+    """The chain starts from the cache's identity: a store that two caches share
+    can never hand one of them the other's blocks."""
+    tokens = list(range(8))
+    roots = {
+        chain_root("Llama:a", "bfloat16", 4),
+        chain_root("Llama:b", "bfloat16", 4),
+        chain_root("Llama:a", "float32", 4),
+        chain_root("Llama:a", "bfloat16", 8),
+    }
+    assert len(roots) == 4
+    names = set()
+    for root in roots:
+        bm = BlockManager(num_blocks=8, block_size=4, root=root)
+        s = seq(tokens + [1])
+        admit(bm, s)
+        compute_all(bm, s)
+        names.add(tuple(s.block_hashes))
+    assert len(names) == 4
+
+
+def test_the_engine_roots_its_chains_in_its_model_format_and_block_size(qwen3) -> None:
+    from engine.llm import LLM
+
+    llm = LLM(str(qwen3[0]), block_size=8, num_kv_blocks=16)
+    config = llm.llm_engine.config
+    assert config.kv_cache_dtype == "auto"
+    assert llm.llm_engine.block_manager.root == chain_root(
+        config.model_identity, str(config.dtype).removeprefix("torch."), 8
+    )

@@ -29,7 +29,8 @@ from hypothesis.stateful import (
 )
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager, chain_hash
+from engine.block_manager import BlockManager
+from engine.kv.hashing import chain_hash
 from engine.sequence import Sequence
 from engine.utils import cdiv
 from tests.engine.conftest import random_prompts
@@ -218,7 +219,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             chain = self.written.get(block_id)
             assert block.hash == h and chain is not None and len(chain) % bs == 0
             assert block.token_ids == chain[-bs:]
-            parent = None
+            parent = self.bm.root
             for i in range(0, len(chain), bs):
                 parent = chain_hash(parent, chain[i : i + bs])
             assert parent == h
@@ -235,7 +236,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 expected = tuple(s.token_ids[: min(nc, (i + 1) * bs)])
                 assert self.written.get(s.block_table[i]) == expected
             assert len(s.block_hashes) <= nc // bs
-            parent = None
+            parent = self.bm.root
             for i, h in enumerate(s.block_hashes):
                 parent = chain_hash(parent, s.token_ids[i * bs : (i + 1) * bs])
                 assert h == parent

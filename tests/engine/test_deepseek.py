@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.utils import cdiv
 from tests.engine.conftest import random_prompts
 from tests.engine.test_mtp import run

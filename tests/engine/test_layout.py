@@ -1,5 +1,6 @@
-"""The engine's import graph: tools and front ends sit outside the core, and
-kernels below it.
+"""The engine's layout and import graph: a short list of modules at the root,
+one folder for each part of the step, no import cycle, tools and front ends
+outside the core, kernels below it, and excerpts short enough to read on a page.
 
 The core (everything in engine/ but engine/tools/ and engine/entrypoints/) must
 run without the command line, the benchmarks, the book's edition checker or the
@@ -11,6 +12,7 @@ uses them.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +37,119 @@ def imports(path: Path) -> set[str]:
 
 def modules(under: Path) -> list[Path]:
     return sorted(under.rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def runtime_imports(path: Path, known: set[str]) -> set[str]:
+    """The engine modules a file imports when it runs: at any depth, inside
+    functions too, but not under ``if TYPE_CHECKING:``. ``from a import b``
+    imports the module ``a.b`` when there is one, else ``a``."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.orelse:
+                    visit_one(stmt)
+            else:
+                visit_one(child)
+
+    def visit_one(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in known:
+                    found.add(sub)
+                elif node.module in known:
+                    found.add(node.module)
+        visit(node)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return cycles
+
+
+def engine_import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in modules(ENGINE)}
+    return {name: runtime_imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    """A cycle works only while someone remembers to import lazily; a reader
+    cannot read such modules in any order."""
+    cycles = import_cycles(engine_import_graph())
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_lazy_import_cycle(tmp_path: Path) -> None:
+    """The guard above can fail: an import inside a function closes a cycle, one
+    under TYPE_CHECKING does not."""
+    a = tmp_path / "a.py"
+    a.write_text("import b\n")
+    b = tmp_path / "b.py"
+    b.write_text("def f():\n    import a\n")
+    c = tmp_path / "c.py"
+    c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
+    known = {"a", "b", "c"}
+    graph = {name: runtime_imports(tmp_path / f"{name}.py", known) for name in known}
+    graph["a"] |= {"c"}
+    assert import_cycles(graph) == [["a", "b"]]
+
+
+MAX_EXCERPT_LINES = 40
+
+
+def test_every_python_excerpt_a_page_shows_is_short() -> None:
+    """A quoted function must read whole on a desktop, without scrolling."""
+    manifest = json.loads((ROOT / "docs" / "edition.json").read_text())
+    long = sorted(
+        {
+            f"{e['file']}::{e['name']} ({len(e['text'].splitlines())} lines, {e['page']})"
+            for e in manifest["excerpts"]
+            if e["file"].endswith(".py") and len(e["text"].splitlines()) > MAX_EXCERPT_LINES
+        }
+    )
+    assert not long, "\n".join(long)
 
 
 def test_no_core_module_imports_the_tools() -> None:

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM
-from engine.attention import AttentionMetadata, forward_context
+from engine.attention.context import forward_context
+from engine.attention.metadata import AttentionMetadata
 from engine.utils import cdiv
 from tests.engine import deepseek_reference as ref
 from tests.engine.conftest import build_checkpoint, random_prompts

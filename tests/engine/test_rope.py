@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import forward_context
+from engine.attention.context import forward_context
 from engine.attention.torch_backend import TorchBackend
 from engine.config import _rope_scaling
 from engine.layers.rotary_embedding import RotaryEmbedding, attention_factor, inverse_frequencies

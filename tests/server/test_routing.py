@@ -9,10 +9,12 @@ from collections import Counter
 
 from engine.block_manager import BlockManager
 from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
+from engine.kv.hashing import chain_root
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 BLOCK = 16
+ROOT = chain_root("test", "", BLOCK)
 
 
 def test_the_key_is_the_prefix_caches_hash_of_the_same_blocks() -> None:
@@ -23,14 +25,17 @@ def test_the_key_is_the_prefix_caches_hash_of_the_same_blocks() -> None:
     seq.num_computed_tokens = len(tokens)
     manager.cache_full_blocks(seq)
     for blocks in range(1, 6):
-        assert prefix_key(tokens, BLOCK, blocks) == seq.block_hashes[blocks - 1]
-    assert prefix_key(tokens, BLOCK, 99) == seq.block_hashes[-1]  # as many as it has
-    assert prefix_key(tokens[:BLOCK], BLOCK, 4) is None  # the last token never counts
+        assert prefix_key(tokens, BLOCK, blocks, manager.root) == seq.block_hashes[blocks - 1]
+    assert prefix_key(tokens, BLOCK, 99, manager.root) == seq.block_hashes[-1]  # as many as it has
+    assert prefix_key(tokens[:BLOCK], BLOCK, 4, manager.root) is None  # the last token never counts
 
 
 def keys(n: int, seed: int = 0) -> list[bytes]:
     rng = random.Random(seed)
-    return [prefix_key([rng.randrange(4096) for _ in range(BLOCK + 1)], BLOCK, 1) for _ in range(n)]
+    return [
+        prefix_key([rng.randrange(4096) for _ in range(BLOCK + 1)], BLOCK, 1, ROOT)
+        for _ in range(n)
+    ]
 
 
 def test_the_ring_gives_each_key_one_owner_and_spreads_them() -> None:
