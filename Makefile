@@ -9,7 +9,7 @@
 #   make pdf       the site with the whole book as one PDF in it: site/inside-deepinfer.pdf
 #   make mutate    mutation testing of the engine's core modules, and the score per module
 #                  (not part of make test; about an hour on 2 cores for all of them). One module:
-#                  make mutate MUTANTS='engine.scheduler.*'
+#                  make mutate MUTANTS='engine.sched.scheduler.*'
 
 PYTHON ?= python3
 VENV   ?= .venv

@@ -11,15 +11,15 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
+    "LLMEngine": "engine.core.llm_engine",
     "SamplingParams": "engine.sampling_params",
     "StructuredOutputsParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
 }
 
 if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
     from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
     from engine.outputs import RequestOutput
     from engine.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -229,7 +229,7 @@ class EngineConfig:
     # device allow it, as `deepinfer serve` does.
     compile_decode: bool | None = False
     # True: a request's logits are bitwise the same whatever else is in the batch,
-    # at some cost in speed (engine/batch_invariant.py).
+    # at some cost in speed (engine/layers/batch_invariant.py).
     batch_invariant: bool = False
     # Schedule step N+1 while step N's forward pass runs (async_loop.py); vLLM's name.
     async_scheduling: bool = False

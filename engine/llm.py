@@ -11,10 +11,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, Prompt, RebalanceReport
+from engine.core.llm_engine import LLMEngine, Prompt, RebalanceReport
+from engine.core.stats import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
 
 
 class LLM:
@@ -62,8 +62,8 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s out")
-        if engine.trace is not None:
-            engine.trace.save()  # where trace= said, if it named a file
+        if engine.core.trace is not None:
+            engine.core.trace.save()  # where trace= said, if it named a file
         if engine.placement is not None:
             engine.sync_expert_stats()  # every rank's share of the expert stats
         return [finished[seq.request_id] for seq in seqs]

@@ -39,7 +39,7 @@ class Module:
 
 
 def module_of(mutant: str) -> str:
-    """engine.block_manager.xǁBlockǁ__init____mutmut_1 -> engine.block_manager"""
+    """engine.kv.block_manager.xǁBlockǁ__init____mutmut_1 -> engine.kv.block_manager"""
     return re.split(r"\.x[ǁ_]", mutant, maxsplit=1)[0]
 
 

@@ -23,7 +23,7 @@ import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 from hypothesis import Phase, settings
 
 import engine.csrc
-from engine.compiled_decode import vector_isa
+from engine.runner.compiled_decode import vector_isa
 
 engine.csrc.load()
 vector_isa()

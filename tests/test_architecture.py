@@ -52,7 +52,7 @@ def test_every_part_the_page_names_is_in_the_table() -> None:
 
 def step_calls() -> list[str]:
     """The methods LLMEngine.step calls, in the order it calls them."""
-    tree = ast.parse((ROOT / "engine" / "llm_engine.py").read_text())
+    tree = ast.parse((ROOT / "engine" / "core" / "llm_engine.py").read_text())
     step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "step")
     calls = sorted(
         (n for n in ast.walk(step) if isinstance(n, ast.Call)),

@@ -7,7 +7,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv_cache import PagedKV
+from engine.kv.kv_cache import PagedKV
 
 M = TypeVar("M")  # a backend's own per-step metadata
 
@@ -61,7 +61,7 @@ def get_backend(
     name: str, device: str, block_size: int, batch_invariant: bool = False
 ) -> AttentionBackend[Any]:
     """``batch_invariant``: kernels whose results for a row do not depend on the
-    rest of the batch (see engine/batch_invariant.py)."""
+    rest of the batch (see engine/layers/batch_invariant.py)."""
     if name == "torch" and batch_invariant:
         from engine.attention.torch_split_kv import TorchSplitKVBackend
 

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
-from engine.kv_cache import PagedKV
+from engine.kv.kv_cache import PagedKV
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv_cache import PagedKV, store_kvcache
+from engine.kv.kv_cache import PagedKV, store_kvcache
 from engine.layers.layernorm import rms_norm
 from engine.layers.rotary_embedding import rotary_embedding
 from engine.utils import cdiv

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.batch_invariant import one_query_per_row
-from engine.kv_cache import PagedKV
+from engine.kv.kv_cache import PagedKV
+from engine.layers.batch_invariant import one_query_per_row
 
 
 @dataclass

@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
-from engine.executor import Executor
-from engine.model_runner import ModelRunner
-from engine.stats import EngineStats
+from engine.core.executor import Executor
+from engine.core.stats import EngineStats
+from engine.runner.model_runner import ModelRunner
 
 STARTUP_TIMEOUT_S = 600.0  # loading a model in a fresh process: imports, weights
 JOIN_TIMEOUT_S = 5.0

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.core.output_processor import OutputProcessor
 from engine.entrypoints.engine_core import CoreBatch, EngineCore
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.metrics import ServerMetrics
-from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.attention.context import get_forward_context
-from engine.kv_cache import FullAttentionSpec, PagedKV
+from engine.kv.kv_cache import FullAttentionSpec, PagedKV
 
 
 class Attention(nn.Module):

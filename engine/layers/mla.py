@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.context import get_forward_context
-from engine.kv_cache import MLACacheSpec, store_latent
+from engine.kv.kv_cache import MLACacheSpec, store_latent
 from engine.utils import cdiv
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.kv_cache import FullAttentionSpec
+from engine.kv.kv_cache import FullAttentionSpec
 from engine.layers.linear import PackedLinear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -113,7 +113,7 @@ def decode_overhead(llm: LLM, prompts: list[list[int]], steps: int = 16) -> tupl
         engine.add_request(f"decode-{i}", p, params)
     while any(s.num_output_tokens == 0 for s in engine.requests.values()):
         engine.step()
-    stats = engine.stats
+    stats = engine.core.stats
     step0, fwd0 = stats.step_seconds, stats.forward_seconds
     for _ in range(steps):
         engine.step()

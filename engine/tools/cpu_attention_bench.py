@@ -20,7 +20,7 @@ from engine import csrc
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import reference
-from engine.kv_cache import PagedKV
+from engine.kv.kv_cache import PagedKV
 from engine.tools.kernel_bench import random_paged_cache, rel_err
 
 BLOCK_SIZE = 16

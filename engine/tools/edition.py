@@ -3,8 +3,8 @@ learns whether their checkout still says what the book says.
 
 A page quotes engine code with one directive line, resolved at build time:
 
-    --8<-- "engine/block_manager.py::BlockManager.allocate"   (a qualified name)
-    --8<-- "engine/scheduler.py:admission"                    (a named section)
+    --8<-- "engine/kv/block_manager.py::BlockManager.allocate"   (a qualified name)
+    --8<-- "engine/sched/scheduler.py:admission"                    (a named section)
     --8<-- "snippets/ch04/e12_routing_skew.py::route"          (an experiment's function)
 
 A named section is marked in the source with pymdownx.snippets' own markers,
@@ -49,7 +49,7 @@ class ExcerptError(LookupError):
 
 @dataclass(frozen=True)
 class Excerpt:
-    file: str  # path relative to the checkout, e.g. "engine/scheduler.py"
+    file: str  # path relative to the checkout, e.g. "engine/sched/scheduler.py"
     name: str  # "Scheduler.schedule" or a section name
     kind: str  # "name" or "section"
     start: int  # first line, 1-based

@@ -6,7 +6,7 @@ the same requests, in one run.
 
 For each batch it reports output tokens per second and the share of wall time
 in which no forward pass was running ("forward idle"), read from the engine's
-step trace (engine/trace.py), and the ratios on/off. On a CPU the forward is
+step trace (engine/core/trace.py), and the ratios on/off. On a CPU the forward is
 timed on the thread that runs it; on a GPU (--device cuda) the trace times it
 with CUDA events on the stream, so "forward idle" is the GPU's idle time
 between kernels of consecutive steps. Every run generates exactly output-len
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.trace import Span
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tools.bench import random_prompts
-from engine.trace import Span
 
 DEFAULT_MODEL = "snippets/models/deepinfer-tiny"
 
@@ -66,11 +66,11 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> Measured:
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
-    first = len(engine.trace.spans)
+    first = len(engine.core.trace.spans)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    spans = engine.trace.spans[first:]
+    spans = engine.core.trace.spans[first:]
     window = (min(s.start for s in spans), max(s.end for s in spans))
     lane = "gpu" if engine.config.device.startswith("cuda") else None
     if lane is None:  # the forward's thread: the worker with async on, else main

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 
 MODEL = os.environ.get("DEEPINFER_DEMO_MODEL", "snippets/models/deepinfer-tiny")
 BLOCK_SIZE = 16
@@ -38,7 +38,7 @@ def cache_view(engine: LLMEngine, request_id: str) -> tuple[int, int]:
 
 
 def free_blocks(engine: LLMEngine) -> int:
-    return engine.block_manager.num_free_blocks
+    return engine.kv.block_manager.num_free_blocks
 
 
 def main() -> dict:

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from engine import csrc
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_split_kv import KV_SPLIT, TorchSplitKVBackend
-from engine.kv_cache import PagedKV
+from engine.kv.kv_cache import PagedKV
 
 # float32 attention over O(1..10) scores, against float64: its rounding is ~1e-6.
 SPLIT_KV_TOLERANCE = 2e-5  # max |engine - exact| / max |exact|

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.batch_invariant import ROW_TILE, linear, one_query_per_row
+from engine.layers.batch_invariant import ROW_TILE, linear, one_query_per_row
 from tests.conftest import ROOT
 from tests.engine.invariance import compare, scenarios
 
@@ -52,7 +52,7 @@ def test_a_row_gets_the_same_bits_in_any_tile_and_any_position() -> None:
 THREADS_SCRIPT = textwrap.dedent(
     """
     import torch
-    from engine.batch_invariant import linear
+    from engine.layers.batch_invariant import linear
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(256, 1024, generator=g), torch.randn(200, 1024, generator=g)
     alone = linear(x[:1], weight)[0]

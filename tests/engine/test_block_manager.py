@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-import engine.block_manager as bm_module
-from engine.block_manager import BlockManager
+import engine.kv.block_manager as bm_module
+from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_root
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence

@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 )
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_hash
 from engine.sequence import Sequence
 from engine.utils import cdiv

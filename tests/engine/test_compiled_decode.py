@@ -1,4 +1,4 @@
-"""The compiled decode step (engine/compiled_decode.py): the same greedy tokens as
+"""The compiled decode step (engine/runner/compiled_decode.py): the same greedy tokens as
 transformers, one compile for every batch size, the cache written in place, and
 a clear refusal where it cannot run."""
 
@@ -71,7 +71,7 @@ def test_compile_decode_none_skips_models_it_cannot_compile(deepseek) -> None:
 def test_compile_decode_needs_a_vector_isa(qwen3, monkeypatch) -> None:
     """With no vector ISA (ATEN_CPU_CAPABILITY=default, an old CPU) Inductor writes
     scalar C++ that does not build: refuse True clearly, and run eager for None."""
-    import engine.compiled_decode as compiled_decode
+    import engine.runner.compiled_decode as compiled_decode
 
     path, _ = qwen3
     monkeypatch.setattr(compiled_decode, "vector_isa", lambda: False)

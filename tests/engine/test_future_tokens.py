@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.future_tokens import FutureTokens
+from engine.runner.future_tokens import FutureTokens
 
 
 def test_references_resolve_to_what_their_slots_hold_when_the_step_runs() -> None:

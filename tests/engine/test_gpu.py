@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graph import batch_buckets, bucket_for
+from engine.runner.cuda_graph import batch_buckets, bucket_for
 from tests.engine.conftest import hf_greedy, random_prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -90,10 +90,10 @@ def test_async_scheduling_on_the_gpu_launches_without_waiting(qwen3) -> None:
     engine = llm.llm_engine
     engine.add_request("x", prompts[0], params)
     engine.step()  # the prompt's step is launched; its tokens are still on the way
-    scheduler_output = engine.scheduler.schedule()  # a decode, with a placeholder
+    scheduler_output = engine.sched.scheduler.schedule()  # a decode, with a placeholder
     torch.cuda.set_sync_debug_mode("error")
     try:
-        future = engine.executor.execute_model_async(scheduler_output)
+        future = engine.core.executor.execute_model_async(scheduler_output)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert future.result().sampled_token_ids.device.type == "cpu"

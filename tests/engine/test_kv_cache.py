@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.kv_cache import FullAttentionSpec, KVCachePool, PagedKV, store_kvcache
+from engine.kv.kv_cache import FullAttentionSpec, KVCachePool, PagedKV, store_kvcache
 from engine.utils import cdiv
 
 

@@ -136,6 +136,27 @@ def test_the_cycle_finder_finds_a_lazy_import_cycle(tmp_path: Path) -> None:
     assert import_cycles(graph) == [["a", "b"]]
 
 
+# The modules that may sit at engine/'s root: the public API, the config, the
+# request and what a caller hands in and gets back. Every other module lives in
+# the folder of its part of the step.
+ROOT_MODULES = {
+    "__init__.py",  # the lazy public names
+    "llm.py",  # LLM, the offline API
+    "config.py",  # EngineConfig
+    "sampling_params.py",  # SamplingParams, StructuredOutputsParams
+    "sequence.py",  # the request, as the scheduler holds it
+    "outputs.py",  # what the engine hands back
+    "utils.py",  # cdiv and other one-liners
+}
+
+
+def test_only_the_listed_modules_sit_at_the_root() -> None:
+    at_root = {p.name for p in ENGINE.glob("*.py")}
+    assert at_root == ROOT_MODULES, (
+        f"not listed: {sorted(at_root - ROOT_MODULES)}; missing: {sorted(ROOT_MODULES - at_root)}"
+    )
+
+
 MAX_EXCERPT_LINES = 40
 
 
@@ -222,19 +243,21 @@ def test_one_ceiling_division() -> None:
 
 def test_the_model_runner_knows_nothing_of_the_scheduler() -> None:
     """It reads the neutral SchedulerOutput, never the scheduler or its sequences."""
-    for path in (ENGINE / "model_runner.py", ENGINE / "scheduler_output.py"):
+    for path in (ENGINE / "runner" / "model_runner.py", ENGINE / "sched" / "scheduler_output.py"):
         names = imports(path)
-        assert not {n for n in names if n.startswith(("engine.scheduler.", "engine.sequence"))}
-        assert "engine.scheduler" not in names, path
+        assert not {
+            n for n in names if n.startswith(("engine.sched.scheduler.", "engine.sequence"))
+        }
+        assert "engine.sched.scheduler" not in names, path
 
 
 def test_the_output_processor_needs_only_plain_outputs() -> None:
     """The front end (Chapter 8 runs it in another process) loads no torch, no
     scheduler and no model runner."""
     code = (
-        "import sys, engine.output_processor; "
+        "import sys, engine.core.output_processor; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m in "
-        "('engine.scheduler', 'engine.sequence', 'engine.model_runner')))"
+        "('engine.sched.scheduler', 'engine.sequence', 'engine.runner.model_runner')))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -246,7 +269,7 @@ def test_the_output_processor_needs_only_plain_outputs() -> None:
 
 def test_a_step_schedules_executes_and_updates() -> None:
     """LLMEngine.step is short, and calls the three stages in order."""
-    tree = ast.parse((ENGINE / "llm_engine.py").read_text())
+    tree = ast.parse((ENGINE / "core" / "llm_engine.py").read_text())
     step = next(
         node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "step"
     )

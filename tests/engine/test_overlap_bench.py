@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
+from engine.core.trace import Span
 from engine.tools.overlap_bench import busy_seconds, run
-from engine.trace import Span
 
 
 def test_overlap_bench_reports_both_settings_and_their_ratios(qwen3) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.core.stats import EngineStats
+from engine.kv.block_manager import BlockManager
 from engine.outputs import EngineCoreEventType, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.stats import EngineStats
 
 
 def make(num_blocks: int, budget: int, block_size: int = 4) -> Scheduler:
@@ -143,7 +143,7 @@ def test_async_scheduling_never_publishes_a_placeholder() -> None:
     """With one-step-ahead scheduling the token a decode feeds in may still be a
     placeholder when its step is scheduled: only prompt blocks are published
     then; the block it completes is published once the real token is in place."""
-    from engine.async_scheduler import AsyncScheduler
+    from engine.sched.async_scheduler import AsyncScheduler
 
     sched = AsyncScheduler(8, 64, BlockManager(64, 4), EngineStats())
     seq = Sequence("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=8))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from engine import LLM, SamplingParams
-from engine.output_processor import OutputProcessor
+from engine.core.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput
 from tests.engine.conftest import VOCAB, random_prompts
 

@@ -21,7 +21,7 @@ import torch
 from engine import csrc
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import reference
-from engine.kv_cache import PagedKV
+from engine.kv.kv_cache import PagedKV
 from engine.tools.cpu_attention_bench import decode_only_metadata
 from engine.tools.kernel_bench import random_paged_cache, rel_err
 from tests.conftest import ROOT

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from engine.block_manager import BlockManager
 from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
+from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_root
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence

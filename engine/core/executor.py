@@ -13,15 +13,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from engine.async_model_runner import AsyncModelRunner, StepFuture
 from engine.config import EngineConfig
+from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad
 from engine.distributed.placement import ExpertPlacement
-from engine.kv_cache import KVCacheConfig
-from engine.model_runner import ModelRunner
+from engine.kv.kv_cache import KVCacheConfig
 from engine.outputs import ModelRunnerOutput
-from engine.scheduler_output import SchedulerOutput
-from engine.stats import EngineStats
+from engine.runner.async_model_runner import AsyncModelRunner, StepFuture
+from engine.runner.model_runner import ModelRunner
+from engine.sched.scheduler_output import SchedulerOutput
 
 
 class Executor(ABC):

@@ -16,20 +16,20 @@ import torch
 from engine.attention.backend import get_backend
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
-from engine.batch_invariant import use_fixed_row_tiles
-from engine.compiled_decode import CompiledDecode, can_compile
 from engine.config import EngineConfig
-from engine.cuda_graph import CUDAGraphRunner
+from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad, TrafficCounters, attach
 from engine.distributed.placement import ExpertPlacement, initial_placement
-from engine.kv_cache import KVCacheConfig, KVCachePool
+from engine.kv.kv_cache import KVCacheConfig, KVCachePool
+from engine.layers.batch_invariant import use_fixed_row_tiles
 from engine.layers.linear import can_pack, pack_linears
 from engine.layers.sampler import GrammarMask, Sampler, SamplingMetadata, SamplingRow
-from engine.loader import iterate_weights, load_model
+from engine.models.loader import iterate_weights, load_model
 from engine.outputs import ModelRunnerOutput
+from engine.runner.compiled_decode import CompiledDecode, can_compile
+from engine.runner.cuda_graph import CUDAGraphRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.stats import EngineStats
+from engine.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from engine.utils import cdiv, to_device
 
 

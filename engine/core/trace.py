@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-    from engine.output_processor import OutputProcessor
-    from engine.scheduler import Scheduler
-    from engine.stats import EngineStats
+    from engine.core.output_processor import OutputProcessor
+    from engine.core.stats import EngineStats
+    from engine.runner.model_runner import ModelRunner
+    from engine.sched.scheduler import Scheduler
 
 STAGES = ("schedule", "prepare", "forward", "update", "process")
 

@@ -14,23 +14,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.async_loop import AsyncLoop
-from engine.async_scheduler import AsyncScheduler
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.core.async_loop import AsyncLoop
+from engine.core.executor import Executor, UniProcExecutor
+from engine.core.output_processor import OutputProcessor
+from engine.core.stats import EngineStats
+from engine.core.trace import StepTrace
 from engine.distributed.eplb import imbalance, rebalance_experts
 from engine.distributed.placement import ExpertPlacement, initial_placement, rank_imbalance
-from engine.executor import Executor, UniProcExecutor
+from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_root
-from engine.loader import load_tokenizer
-from engine.output_processor import OutputProcessor
+from engine.models.loader import load_tokenizer
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sched.async_scheduler import AsyncScheduler
+from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
-from engine.trace import StepTrace
 
 Prompt = str | list[int]
 

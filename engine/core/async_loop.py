@@ -19,13 +19,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.async_model_runner import StepFuture
-from engine.async_scheduler import AsyncScheduler
-from engine.executor import Executor
-from engine.output_processor import OutputProcessor
+from engine.core.executor import Executor
+from engine.core.output_processor import OutputProcessor
+from engine.core.stats import EngineStats
 from engine.outputs import RequestOutput
-from engine.scheduler_output import SchedulerOutput
-from engine.stats import EngineStats
+from engine.runner.async_model_runner import StepFuture
+from engine.sched.async_scheduler import AsyncScheduler
+from engine.sched.scheduler_output import SchedulerOutput
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineCoreEvent, EngineCoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 

@@ -31,8 +31,8 @@ from collections import deque
 
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from engine.sched.scheduler import Scheduler
+from engine.sched.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
 

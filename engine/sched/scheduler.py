@@ -15,16 +15,16 @@ from collections import deque
 from collections.abc import Collection
 from itertools import count
 
-from engine.block_manager import BlockManager
+from engine.core.stats import EngineStats
+from engine.kv.block_manager import BlockManager
 from engine.outputs import (
     EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,
     ModelRunnerOutput,
 )
-from engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.sched.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from engine.stats import EngineStats
 
 
 class Scheduler:

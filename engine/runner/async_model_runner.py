@@ -24,11 +24,11 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig
-from engine.future_tokens import FutureTokens
-from engine.model_runner import ModelRunner, PreparedStep
+from engine.core.stats import EngineStats
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
-from engine.scheduler_output import PLACEHOLDER, SchedulerOutput
-from engine.stats import EngineStats
+from engine.runner.future_tokens import FutureTokens
+from engine.runner.model_runner import ModelRunner, PreparedStep
+from engine.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
 
 
 class StepFuture(Protocol):
