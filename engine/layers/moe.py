@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.layers.activation import SiluAndMul
-from engine.layers.router import GroupedTopKRouter
+from engine.layers.gate import GroupedTopKRouter
 
 
 class GatedMLP(nn.Module):

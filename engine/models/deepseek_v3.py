@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.gate import GroupedTopKRouter
 from engine.layers.layernorm import RMSNorm
 from engine.layers.mla import MLAAttention
 from engine.layers.moe import Experts, GatedMLP, MoE
 from engine.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
-from engine.layers.router import GroupedTopKRouter
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' default, not the config's
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.layers.gate import GroupedTopKRouter
 from engine.layers.moe import MoE
-from engine.layers.router import GroupedTopKRouter
 
 HIDDEN, INTER = 32, 16
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.router import GroupedTopKRouter
+from engine.layers.gate import GroupedTopKRouter
 
 
 def router(**kw: object) -> GroupedTopKRouter:

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's router: which experts each token goes to, and with what weight.
+"""DeepSeek-V3's MoE gate (its router): which experts each token goes to, and with what weight.
 
 Scores are sigmoids, one per expert. A per-expert bias, learned during training
 by auxiliary-loss-free balancing, steers the *choice* towards underused experts
