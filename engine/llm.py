@@ -62,8 +62,8 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s out")
-        if engine.core.trace is not None:
-            engine.core.trace.save()  # where trace= said, if it named a file
+        if engine.trace is not None:
+            engine.trace.save()  # where trace= said, if it named a file
         if engine.placement is not None:
             engine.sync_expert_stats()  # every rank's share of the expert stats
         return [finished[seq.request_id] for seq in seqs]

@@ -74,7 +74,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)  # loads the model: in the caller's thread
         self.outbox = Outbox()
-        self.engine.core.output_processor = self.outbox
+        self.engine.output_processor = self.outbox
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.dead: str | None = None  # why the core stopped, if it failed for good
@@ -159,11 +159,11 @@ class EngineCore:
             return failed
 
     def _stats(self) -> CoreStats:
-        scheduler, blocks = self.engine.sched.scheduler, self.engine.kv.block_manager
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         total = len(blocks.blocks)
         return CoreStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_cache_usage=(total - blocks.num_free_blocks) / total,
-            num_preemptions=self.engine.core.stats.preemptions,
+            num_preemptions=self.engine.stats.preemptions,
         )

@@ -113,7 +113,7 @@ def decode_overhead(llm: LLM, prompts: list[list[int]], steps: int = 16) -> tupl
         engine.add_request(f"decode-{i}", p, params)
     while any(s.num_output_tokens == 0 for s in engine.requests.values()):
         engine.step()
-    stats = engine.core.stats
+    stats = engine.stats
     step0, fwd0 = stats.step_seconds, stats.forward_seconds
     for _ in range(steps):
         engine.step()

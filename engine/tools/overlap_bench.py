@@ -66,11 +66,11 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> Measured:
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
-    first = len(engine.core.trace.spans)
+    first = len(engine.trace.spans)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    spans = engine.core.trace.spans[first:]
+    spans = engine.trace.spans[first:]
     window = (min(s.start for s in spans), max(s.end for s in spans))
     lane = "gpu" if engine.config.device.startswith("cuda") else None
     if lane is None:  # the forward's thread: the worker with async on, else main

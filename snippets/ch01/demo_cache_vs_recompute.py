@@ -29,7 +29,7 @@ def engine_facts(llm: LLM) -> dict:
     the model's size and kind, and the batch sizes it captures CUDA graphs for
     on a GPU (on a CPU it captures none, and this demo runs eagerly)."""
     engine = llm.llm_engine
-    params = sum(p.numel() for p in engine.core.executor.model_runner.model.parameters())
+    params = sum(p.numel() for p in engine.executor.model_runner.model.parameters())
     buckets = batch_buckets(engine.config.max_num_seqs)
     return {
         "model": os.path.basename(MODEL),

@@ -38,7 +38,7 @@ def cache_view(engine: LLMEngine, request_id: str) -> tuple[int, int]:
 
 
 def free_blocks(engine: LLMEngine) -> int:
-    return engine.kv.block_manager.num_free_blocks
+    return engine.block_manager.num_free_blocks
 
 
 def main() -> dict:

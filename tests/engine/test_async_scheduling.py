@@ -42,7 +42,7 @@ def test_greedy_tokens_match_transformers(qwen3, reference, config) -> None:
     # weights rarely choose EOS); length finishes are known ahead and waste nothing.
     assert stats.discarded_tokens == sum(o.finish_reason == "stop" for o in outputs)
     engine = llm.llm_engine
-    assert engine.kv.block_manager.num_free_blocks == len(engine.kv.block_manager.blocks)
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
 
 
 def run(path, async_scheduling: bool, prompts, params, **kwargs) -> tuple[list, LLM]:
@@ -91,7 +91,7 @@ def test_late_finishes_discard_one_token_each_and_free_their_blocks(qwen3) -> No
     assert stopped >= len(prompts) // 2
     assert async_llm.stats.discarded_tokens == stopped
     engine = async_llm.llm_engine
-    assert engine.kv.block_manager.num_free_blocks == len(engine.kv.block_manager.blocks)
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
     assert not engine.has_unfinished_requests()
 
 
@@ -117,7 +117,7 @@ def test_the_next_step_is_built_while_the_forward_runs(qwen3) -> None:
     next step to wait for: the engine finds nothing more to schedule."""
     llm = LLM(qwen3[0], dtype="float32", async_scheduling=True)
     engine = llm.llm_engine
-    scheduler, runner = engine.sched.scheduler, engine.core.executor.model_runner
+    scheduler, runner = engine.scheduler, engine.executor.model_runner
     calls = {"prepared": 0, "forward": 0, "ended": False}
     ready = threading.Condition()
     schedule, prepare, execute = scheduler.schedule, runner.prepare_inputs, runner.execute_prepared
@@ -225,7 +225,7 @@ def test_an_abort_while_a_step_is_in_flight_loses_nothing_else(qwen3) -> None:
     reference, _ = run(qwen3[0], False, prompts, greedy(8, ignore_eos=True))
     assert done == {f"r{i}": o.token_ids for i, o in enumerate(reference)}
     assert llm.stats.discarded_tokens == 1
-    assert engine.kv.block_manager.num_free_blocks == 64
+    assert engine.block_manager.num_free_blocks == 64
 
 
 def test_a_reply_is_published_for_the_next_turn_as_without_overlap(qwen3) -> None:

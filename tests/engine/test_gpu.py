@@ -90,10 +90,10 @@ def test_async_scheduling_on_the_gpu_launches_without_waiting(qwen3) -> None:
     engine = llm.llm_engine
     engine.add_request("x", prompts[0], params)
     engine.step()  # the prompt's step is launched; its tokens are still on the way
-    scheduler_output = engine.sched.scheduler.schedule()  # a decode, with a placeholder
+    scheduler_output = engine.scheduler.schedule()  # a decode, with a placeholder
     torch.cuda.set_sync_debug_mode("error")
     try:
-        future = engine.core.executor.execute_model_async(scheduler_output)
+        future = engine.executor.execute_model_async(scheduler_output)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert future.result().sampled_token_ids.device.type == "cpu"

@@ -15,8 +15,8 @@ def test_first_token_logits_match_transformers(checkpoint) -> None:
     prompts = random_prompts(4, seed=11)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=1))
-    runner = engine.core.executor.model_runner
-    step = runner.prepare_inputs(engine.sched.scheduler.schedule())
+    runner = engine.executor.model_runner
+    step = runner.prepare_inputs(engine.scheduler.schedule())
     batch, logits = step.batch, runner.forward(step)
     assert batch.req_ids == ["0", "1", "2", "3"]
     for prompt, row in zip(prompts, logits):

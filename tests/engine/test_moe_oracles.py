@@ -144,8 +144,8 @@ def test_deepseek_checkpoint_without_rope_interleave_matches_transformers(
     prompts = random_prompts(2, seed=12, low=20, high=40)  # rotary angles well past 0
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=1))
-    runner = engine.core.executor.model_runner
-    logits = runner.forward(runner.prepare_inputs(engine.sched.scheduler.schedule()))
+    runner = engine.executor.model_runner
+    logits = runner.forward(runner.prepare_inputs(engine.scheduler.schedule()))
     for prompt, row in zip(prompts, logits):
         with torch.no_grad():
             expected = model(torch.tensor([prompt])).logits[0, -1]

@@ -38,15 +38,15 @@ def test_abort_frees_blocks_and_others_continue(qwen3) -> None:
         )
     engine.step()
     engine.step()
-    before = engine.kv.block_manager.num_free_blocks
+    before = engine.block_manager.num_free_blocks
     engine.abort_request("r1")
-    assert engine.kv.block_manager.num_free_blocks > before
+    assert engine.block_manager.num_free_blocks > before
     engine.abort_request("no-such-request")  # unknown ids are ignored
     done = []
     while engine.has_unfinished_requests():
         done += [o.request_id for o in engine.step() if o.finished]
     assert sorted(done) == ["r0", "r2"]
-    assert engine.kv.block_manager.num_free_blocks == 64
+    assert engine.block_manager.num_free_blocks == 64
 
 
 def test_a_dropped_engine_is_freed_at_once(qwen3) -> None:

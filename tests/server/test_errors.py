@@ -150,7 +150,7 @@ def test_a_full_queue_answers_503_with_retry_after(app_url) -> None:
 
 def test_an_engine_failure_is_a_500_with_the_request_id(app_url, caplog) -> None:
     app, url = app_url
-    executor = app.state.llm.core.engine.core.executor
+    executor = app.state.llm.core.engine.executor
     execute = executor.execute_model
 
     def fail_once(scheduler_output):
@@ -165,7 +165,7 @@ def test_an_engine_failure_is_a_500_with_the_request_id(app_url, caplog) -> None
     error = assert_openai_error(reply, 500, "the device fell over")
     assert error["request_id"] == reply.headers["x-request-id"]
     assert error["request_id"] in caplog.text  # and in the log
-    assert app.state.llm.core.engine.kv.block_manager.num_free_blocks == 256  # nothing held
+    assert app.state.llm.core.engine.block_manager.num_free_blocks == 256  # nothing held
     again = httpx.post(url + "/v1/completions", json=GOOD, timeout=30)
     assert again.status_code == 200, again.text
     assert httpx.get(url + "/health").status_code == 200
@@ -175,7 +175,7 @@ def test_an_engine_failure_mid_stream_ends_it_with_an_error_event(app_url, caplo
     """The stream's 200 is sent already: the error comes as its last event, with
     the request's id, before [DONE]."""
     app, url = app_url
-    executor = app.state.llm.core.engine.core.executor
+    executor = app.state.llm.core.engine.executor
     execute, steps = executor.execute_model, []
 
     def fail_third(scheduler_output):
@@ -198,7 +198,7 @@ def test_an_engine_failure_mid_stream_ends_it_with_an_error_event(app_url, caplo
     assert "mid-stream" in error["message"] and error["type"] == "internal_server_error"
     assert error["request_id"] == reply.headers["x-request-id"]
     assert error["request_id"] in caplog.text
-    assert app.state.llm.core.engine.kv.block_manager.num_free_blocks == 256
+    assert app.state.llm.core.engine.block_manager.num_free_blocks == 256
     assert httpx.post(url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
 
 
@@ -223,7 +223,7 @@ def test_a_failure_in_the_front_end_is_a_500_too(app_url, caplog) -> None:
     assert error["request_id"] in caplog.text
     engine = llm.core.engine
     deadline = time.monotonic() + 30
-    while engine.has_unfinished_requests() or engine.kv.block_manager.num_free_blocks != 256:
+    while engine.has_unfinished_requests() or engine.block_manager.num_free_blocks != 256:
         assert time.monotonic() < deadline, "the core kept the failed request"
         time.sleep(0.01)
     assert httpx.post(url + "/v1/completions", json=GOOD, timeout=30).status_code == 200

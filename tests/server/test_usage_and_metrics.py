@@ -106,9 +106,9 @@ def test_the_preemption_counter_equals_the_engines_count(served: tuple[str, Fast
     preemptions as the engine made."""
     url, app = served
     engine = app.state.llm.core.engine
-    before = engine.core.stats.preemptions
+    before = engine.stats.preemptions
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         list(pool.map(lambda p: post(url, prompt=p, max_tokens=60), PROMPTS))
-    assert engine.core.stats.preemptions - before >= 2  # several, with steps between them
-    assert metric(url, "deepinfer:num_preemptions_total") == engine.core.stats.preemptions
+    assert engine.stats.preemptions - before >= 2  # several, with steps between them
+    assert metric(url, "deepinfer:num_preemptions_total") == engine.stats.preemptions
     assert metric(url, "deepinfer:num_requests_running") == 0
