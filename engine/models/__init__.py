@@ -1,23 +1,3 @@
-"""Model architectures, by the name a checkpoint's config.json gives them."""
-
-from __future__ import annotations
-
-from torch import nn
-
-from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
-from engine.models.llama import LlamaForCausalLM
-
-# Qwen2 is Llama with biases on q, k and v; Qwen3 adds a norm on q and k. The
-# config flags (attention_bias, qk_norm) carry the difference.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-}
-assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
-
-
-def build_model(config: ModelConfig) -> nn.Module:
-    return MODEL_REGISTRY[config.architecture](config)
+"""The models: the architectures (llama.py, deepseek_v3.py) and what they share
+(base.py), the checkpoint's config (config.py), which class serves which
+architecture (registry.py) and how weights are loaded (loader.py)."""

@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
 from engine.layers.gate import GroupedTopKRouter
 from engine.layers.layernorm import RMSNorm
 from engine.layers.mla import MLAAttention
 from engine.layers.moe import Experts, GatedMLP, MoE
 from engine.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
+from engine.models.base import CausalLM
+from engine.models.config import ModelConfig
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' default, not the config's
 
@@ -176,7 +177,7 @@ class DeepseekV3Model(nn.Module):
         return x
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     # The MoE layers size each expert's matmul from the routing, on the host: a
     # decode step cannot be captured in a CUDA graph.
     supports_cuda_graphs = False

@@ -12,11 +12,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.rotary_embedding import RotaryEmbedding
+from engine.models.base import CausalLM
+from engine.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
@@ -113,7 +114,7 @@ PACKED_MODULES = {
 }
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     supports_compile = True  # its decode step can run through torch.compile
     supports_packed_linears = True  # nothing reads its linear layers' weights directly
 

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.models import build_model
+from engine.models.registry import build_model
 
 
 def safetensors_files(path: Path) -> list[Path]:

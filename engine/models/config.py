@@ -1,0 +1,198 @@
+"""What a checkpoint's config.json says about the model: the shapes and options
+the forward pass needs, read as transformers reads them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# Architectures the engine can run, by the name config.json gives them.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek-V3)."""
+
+    q_lora_rank: int | None  # None: queries come straight from the hidden state
+    kv_lora_rank: int  # the latent each token caches, shared by every head
+    qk_nope_head_dim: int  # per head: the part of q.k without position
+    qk_rope_head_dim: int  # the rotary part; its key is shared by every head and cached
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are (x0, x1), (x2, x3), ... in the checkpoint
+
+
+@dataclass
+class MoEConfig:
+    """DeepSeek-V3's mixture of experts, in the layers after the first dense ones."""
+
+    num_experts: int  # routed experts
+    num_shared_experts: int
+    intermediate_size: int  # of one expert
+    top_k: int
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int  # layers before this index are dense
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face config.json that the forward pass needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool  # RMSNorm on each head's q and k before RoPE (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    mla: MLAConfig | None = None  # DeepSeek-V3 only, as are the two below
+    moe: MoEConfig | None = None
+    num_mtp_layers: int = 0  # multi-token prediction modules stored after the layers
+
+    @classmethod
+    def from_pretrained(cls, path: Path) -> ModelConfig:
+        raw = json.loads((path / "config.json").read_text())
+        arch = (raw.get("architectures") or ["<none>"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} in {path / 'config.json'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; supported: silu")
+        if raw.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        heads = raw["num_attention_heads"]
+        rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        deepseek = arch == "DeepseekV3ForCausalLM"
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(raw, rope_scaling),
+            rope_scaling=_rope_scaling(rope_scaling, raw),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=_eos_ids(path, raw),
+            mla=_mla(raw) if deepseek else None,
+            moe=_moe(raw) if deepseek else None,
+            num_mtp_layers=raw.get("num_nextn_predict_layers", 0) if deepseek else 0,
+        )
+
+
+# What transformers' DeepseekV3Config reads for a field config.json leaves out:
+# DeepSeek-V3's own values. A checkpoint that omits one means this, so the engine
+# reads it too. An explicit null still means none (q_lora_rank) or one group.
+DEEPSEEK_DEFAULTS = {
+    "q_lora_rank": 1536,
+    "rope_interleave": True,
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3,
+}
+
+
+def _deepseek(raw: dict, name: str):
+    return raw.get(name, DEEPSEEK_DEFAULTS[name])
+
+
+def _mla(raw: dict) -> MLAConfig:
+    return MLAConfig(
+        q_lora_rank=_deepseek(raw, "q_lora_rank"),
+        kv_lora_rank=raw["kv_lora_rank"],
+        qk_nope_head_dim=raw["qk_nope_head_dim"],
+        qk_rope_head_dim=raw["qk_rope_head_dim"],
+        v_head_dim=raw["v_head_dim"],
+        rope_interleave=_deepseek(raw, "rope_interleave"),
+    )
+
+
+# DeepSeek config fields the engine implements one value of: a checkpoint that
+# names another value would run, wrongly, if we did not stop it here.
+DEEPSEEK_VARIANTS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+
+def _moe(raw: dict) -> MoEConfig:
+    for name, supported in DEEPSEEK_VARIANTS.items():
+        if raw.get(name, supported) != supported:
+            raise ValueError(
+                f"unsupported {name} {raw[name]!r} in config.json; supported: {supported!r}"
+            )
+    experts, groups = raw["n_routed_experts"], _deepseek(raw, "n_group") or 1
+    if experts % groups:
+        raise ValueError(f"n_routed_experts {experts} is not divisible by n_group {groups}")
+    return MoEConfig(
+        num_experts=experts,
+        num_shared_experts=_deepseek(raw, "n_shared_experts") or 0,
+        intermediate_size=raw["moe_intermediate_size"],
+        top_k=raw["num_experts_per_tok"],
+        num_groups=groups,
+        topk_groups=_deepseek(raw, "topk_group") or 1,
+        norm_topk_prob=_deepseek(raw, "norm_topk_prob"),
+        routed_scaling_factor=_deepseek(raw, "routed_scaling_factor"),
+        first_k_dense_replace=_deepseek(raw, "first_k_dense_replace"),
+    )
+
+
+def _rope_theta(raw: dict, rope: dict | None) -> float:
+    if "rope_theta" in raw:
+        return float(raw["rope_theta"])
+    return float((rope or {}).get("rope_theta", 10000.0))
+
+
+def _rope_scaling(rope: dict | None, raw: dict) -> dict | None:
+    """Keep only scaling that changes the frequencies; 'default' means none."""
+    if not rope:
+        return None
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ("llama3", "yarn"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, yarn")
+    rope = dict(rope, rope_type=kind)
+    if kind == "yarn":  # the defaults transformers fills in
+        longest = raw.get("max_position_embeddings", 4096)
+        rope.setdefault("original_max_position_embeddings", longest)
+        if rope.get("factor") is None:
+            rope["factor"] = longest / rope["original_max_position_embeddings"]
+    return rope
+
+
+def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
+    """generation_config.json wins over config.json, as in transformers."""
+    eos = raw.get("eos_token_id")
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
