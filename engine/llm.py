@@ -11,8 +11,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine, Prompt, RebalanceReport
+from engine.core.llm_engine import LLMEngine, Prompt
 from engine.core.stats import EngineStats
+from engine.distributed.balancer import RebalanceReport
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -64,14 +65,14 @@ class LLM:
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s out")
         if engine.trace is not None:
             engine.trace.save()  # where trace= said, if it named a file
-        if engine.placement is not None:
-            engine.sync_expert_stats()  # every rank's share of the expert stats
+        if engine.eplb.placement is not None:
+            engine.eplb.sync_stats()  # every rank's share of the expert stats
         return [finished[seq.request_id] for seq in seqs]
 
     def rebalance_experts(self, num_redundant: int | None = None) -> RebalanceReport:
         """EPLB: re-place the routed experts for the load recorded so far (see
-        LLMEngine.rebalance_experts); the outputs do not change."""
-        return self.llm_engine.rebalance_experts(num_redundant)
+        ExpertBalancer.rebalance); the outputs do not change."""
+        return self.llm_engine.eplb.rebalance(num_redundant)
 
     def shutdown(self) -> None:
         """Stop the expert-parallel workers now; ``del llm`` and exit do it too."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import gc
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -20,8 +19,7 @@ from engine.core.executor import Executor, UniProcExecutor
 from engine.core.output_processor import OutputProcessor
 from engine.core.stats import EngineStats
 from engine.core.trace import StepTrace
-from engine.distributed.eplb import imbalance, rebalance_experts
-from engine.distributed.placement import ExpertPlacement, initial_placement, rank_imbalance
+from engine.distributed.balancer import ExpertBalancer
 from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_root
 from engine.models.loader import load_tokenizer
@@ -33,16 +31,6 @@ from engine.sequence import Sequence
 from engine.structured_output import StructuredOutputManager
 
 Prompt = str | list[int]
-
-
-@dataclass
-class RebalanceReport:
-    """One EPLB re-balance: per MoE layer, the busiest rank's tokens over the mean
-    rank's, on the load recorded so far, with the old placement and the new."""
-
-    imbalance_before: list[float]
-    imbalance_after: list[float]
-    placement: ExpertPlacement
 
 
 def make_executor(config: EngineConfig, stats: EngineStats) -> Executor:
@@ -59,10 +47,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(Path(config.model))
         self.stats = EngineStats()
         self.executor = make_executor(config, self.stats)
-        self.placement = initial_placement(config)  # where the routed experts are
-        self.eplb_reports: list[RebalanceReport] = []
-        if config.enable_eplb:
-            self.executor.after_step = self._eplb_clock
+        self.eplb = ExpertBalancer(config, self.executor, self.stats)  # distributed/balancer.py
         cache = self.executor.kv_cache_config()
         self.max_model_len = cache.max_model_len
         root = chain_root(config.model_identity, config.kv_format, cache.block_size)
@@ -180,52 +165,6 @@ class LLMEngine:
         self.scheduler.finish_requests(processed.reqs_to_abort, "stop")  # stop strings
         self.stats.step_seconds += time.perf_counter() - start
         return processed.request_outputs
-
-    def _eplb_clock(self) -> None:
-        """With enable_eplb, after each step's forward pass: re-place the experts
-        every eplb_interval steps, before the next step runs."""
-        if self.stats.steps % self.config.eplb_interval == 0:
-            self.rebalance_experts()
-
-    def sync_expert_stats(self) -> None:
-        """Under expert parallelism each rank records its own share: sum them into
-        stats.expert_tokens, and list each rank's bytes sent."""
-        load = self.executor.expert_load()
-        if load is None:
-            return
-        self.stats.expert_tokens = load.expert_tokens
-        self.stats.expert_slot_tokens = load.slot_tokens
-        self.stats.ep_dispatch_bytes = load.dispatch_bytes
-        self.stats.ep_combine_bytes = load.combine_bytes
-
-    def rank_imbalance(self) -> list[float] | None:
-        """Per MoE layer, measured since the current placement began: the busiest
-        rank's rows over the mean rank's. None without placed experts."""
-        self.sync_expert_stats()
-        if self.placement is None:
-            return None
-        return rank_imbalance(self.stats.expert_slot_tokens, self.placement.num_ranks)
-
-    def rebalance_experts(self, num_redundant: int | None = None) -> RebalanceReport:
-        """EPLB between steps: place the experts anew for the load recorded so far,
-        with num_redundant slots per layer beyond one per expert (default: the
-        config's), and move every rank to the new placement."""
-        self.sync_expert_stats()
-        load = self.stats.expert_tokens
-        if load is None:
-            raise ValueError("this model has no experts to re-balance")
-        moe, ranks = self.config.hf_config.moe, self.config.expert_parallel_size
-        extra = self.config.num_redundant_experts if num_redundant is None else num_redundant
-        old = self.placement or ExpertPlacement.identity(len(load), moe.num_experts, ranks)
-        phy2log, _, _ = rebalance_experts(load, moe.num_experts + extra, moe.num_groups, 1, ranks)
-        new = ExpertPlacement(phy2log, ranks, moe.num_experts)
-        self.executor.apply_placement(new)
-        self.placement = new
-        report = RebalanceReport(
-            imbalance(load, old.phy2log, ranks), imbalance(load, phy2log, ranks), new
-        )
-        self.eplb_reports.append(report)
-        return report
 
     def shutdown(self) -> None:
         """Stop the executor's workers, if it has any. Idempotent."""

@@ -51,7 +51,7 @@ def measure(model: str, size: int, prompts: list[list[int]], output_len: int, **
                     done[out.request_id] = out.token_ids
             kind = "prefill" if llm.stats.prefill_tokens > before else "decode"
             spans[kind].append(time.perf_counter() - start)
-        engine.sync_expert_stats()
+        engine.eplb.sync_stats()
         sent = sum(llm.stats.ep_dispatch_bytes or [0]) + sum(llm.stats.ep_combine_bytes or [0])
         steps = llm.stats.steps
     finally:

@@ -53,12 +53,12 @@ def main() -> dict:
     first_run = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     cfg = engine.config.hf_config
     layers = cfg.num_hidden_layers - cfg.moe.first_k_dense_replace  # not the MTP module
-    before = engine.rank_imbalance()[:layers]
+    before = engine.eplb.rank_imbalance()[:layers]
     load = llm.stats.expert_tokens[:layers].clone()
     report = llm.rebalance_experts(num_redundant=REDUNDANT)
     estimated = imbalance(load, report.placement.phy2log[:layers], EP)
     second_run = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-    after = engine.rank_imbalance()[:layers]
+    after = engine.eplb.rank_imbalance()[:layers]
     second_load = llm.stats.expert_tokens[:layers] - load
     llm.shutdown()
     same = second_run == first_run

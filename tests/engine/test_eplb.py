@@ -136,7 +136,7 @@ def test_output_is_unchanged_by_a_redundant_placement(tiny_moe_reference) -> Non
     re-balance between steps; the greedy tokens stay those of no placement."""
     tokens, _ = tiny_moe_reference
     llm = LLM(TINY_MOE, dtype="float32", num_redundant_experts=4)
-    assert llm.llm_engine.placement.phy2log.shape[1] == 20
+    assert llm.llm_engine.eplb.placement.phy2log.shape[1] == 20
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=24)
     for i, p in enumerate(PROMPTS):
@@ -145,13 +145,13 @@ def test_output_is_unchanged_by_a_redundant_placement(tiny_moe_reference) -> Non
     while engine.has_unfinished_requests():
         if llm.stats.steps == 5:
             report = llm.rebalance_experts(num_redundant=6)  # mid-generation
-            assert engine.placement.phy2log.shape[1] == 22
+            assert engine.eplb.placement.phy2log.shape[1] == 22
             assert len(report.imbalance_before) == len(report.imbalance_after)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
     assert [done[str(i)] for i in range(len(PROMPTS))] == tokens
-    engine.sync_expert_stats()
+    engine.eplb.sync_stats()
     slots = llm.stats.expert_slot_tokens
     assert slots is not None and slots.shape == (4, 22) and slots.sum() > 0
 
@@ -162,4 +162,4 @@ def test_eplb_on_a_clock_keeps_the_output(tiny_moe_reference) -> None:
     llm = LLM(TINY_MOE, dtype="float32", enable_eplb=True, eplb_interval=4, num_redundant_experts=4)
     params = SamplingParams(temperature=0, max_tokens=24)
     assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == tokens
-    assert len(llm.llm_engine.eplb_reports) == llm.stats.steps // 4 > 0
+    assert len(llm.llm_engine.eplb.reports) == llm.stats.steps // 4 > 0
