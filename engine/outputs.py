@@ -6,7 +6,7 @@ front end (EngineCoreOutput), and the front end's answer to the caller
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, auto
+from enum import Enum, StrEnum, auto
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the front end reads these outputs without importing torch
@@ -56,6 +56,24 @@ class EngineCoreEvent:
     num_cached_tokens: int = field(default=0, compare=False)  # SCHEDULED: cached of them
 
 
+class FinishReason(StrEnum):
+    """Why a request ended. Each is its own text, as OpenAI's API spells it."""
+
+    STOP = "stop"  # EOS, a stop token, a stop string, or a grammar with nothing left to add
+    LENGTH = "length"  # max_tokens, or the end of the model's context
+    ABORT = "abort"  # the caller gave up on it
+
+
+@dataclass
+class RequestTimes:
+    """When a request reached each point, by the front end's clock
+    (time.perf_counter, in seconds)."""
+
+    arrival: float
+    first_token: float | None = None
+    finished: float | None = None
+
+
 @dataclass
 class EngineCoreOutput:
     """One request's news from one step, as the engine core hands it to the front
@@ -66,7 +84,7 @@ class EngineCoreOutput:
     # Per new token, if the request asked: token ids and their logprobs, the
     # chosen token first, then the top ones.
     new_logprobs: list[tuple[list[int], list[float]]] | None = None
-    finish_reason: str | None = None  # set by the core: EOS, stop tokens, lengths, abort
+    finish_reason: FinishReason | None = None  # set by the core: EOS, stop tokens, lengths, abort
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     events: list[EngineCoreEvent] = field(default_factory=list)  # since its last output
 
@@ -75,9 +93,8 @@ class EngineCoreOutput:
 class RequestOutput:
     """A request's state after a step (``finished`` False) or at its end.
 
-    ``token_ids`` and ``text`` are cumulative. ``finish_reason`` is "stop" (EOS,
-    a stop token or a stop string), "length" (max_tokens or the model's context)
-    or "abort", and None while the request runs.
+    ``token_ids`` and ``text`` are cumulative. ``finish_reason`` is a
+    FinishReason once the request ends, and None while it runs.
     """
 
     request_id: str
@@ -86,8 +103,8 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished
+    times: RequestTimes | None = None  # arrival, first token, finish
     events: list[EngineCoreEvent] = field(default_factory=list)  # queued, scheduled, preempted

@@ -8,7 +8,7 @@ from enum import Enum, auto
 from itertools import count
 from typing import TYPE_CHECKING
 
-from engine.outputs import EngineCoreEvent
+from engine.outputs import EngineCoreEvent, FinishReason
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,10 +41,9 @@ class Sequence:
         self.block_table: list[int] = []  # logical block i -> physical block id
         self.block_hashes: list[bytes] = []  # hash chain of the full, computed blocks
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
-        self.num_cached_tokens = 0  # tokens found in the prefix cache at the last admission
-        self.num_cached_prompt_tokens = 0  # ... and at the first, which the caller is told
+        self.num_cached_prompt_tokens = 0  # found in the prefix cache at the first admission
         self.events: list[EngineCoreEvent] = []  # what the scheduler did, not yet reported
         self.structured_output: StructuredOutputRequest | None = None  # its grammar's matcher
 

@@ -11,12 +11,18 @@ core that schedules and runs the model.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenizers import Tokenizer
 
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.outputs import EngineCoreEvent, EngineCoreOutput, RequestOutput
+from engine.outputs import (
+    EngineCoreEvent,
+    EngineCoreOutput,
+    FinishReason,
+    RequestOutput,
+    RequestTimes,
+)
 from engine.sampling_params import SamplingParams
 
 
@@ -32,7 +38,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.perf_counter()))
     events: list[EngineCoreEvent] = field(default_factory=list)  # what the scheduler did
 
 
@@ -62,7 +68,6 @@ class OutputProcessor:
         self.states[request_id] = RequestState(
             request_id, prompt, list(prompt_token_ids), params, detokenizer
         )
-        self.states[request_id].metrics["arrival"] = time.perf_counter()
 
     def abort_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -73,17 +78,18 @@ class OutputProcessor:
         for out in outputs:
             state = self.states[out.request_id]
             reason = self._update(state, out)
-            if reason == "stop" and out.finish_reason is None:  # a stop string
+            if reason == FinishReason.STOP and out.finish_reason is None:  # a stop string
                 processed.reqs_to_abort.append(out.request_id)
             if reason is not None:
                 del self.states[out.request_id]
             processed.request_outputs.append(self._request_output(state, reason))
         return processed
 
-    def _update(self, state: RequestState, out: EngineCoreOutput) -> str | None:
+    def _update(self, state: RequestState, out: EngineCoreOutput) -> FinishReason | None:
         """The request's text, logprobs and timings; its finish reason, if it ended."""
         now = time.perf_counter()
-        state.metrics.setdefault("first_token", now)
+        if state.times.first_token is None:
+            state.times.first_token = now
         state.token_ids += out.new_token_ids
         state.num_cached_tokens = out.num_cached_tokens
         state.events += out.events
@@ -95,13 +101,13 @@ class OutputProcessor:
         reason = out.finish_reason
         detok = state.detokenizer
         if detok is not None and detok.update(out.new_token_ids, finished=reason is not None):
-            reason = "stop"  # a stop string: the text ends here, and the core must stop too
+            reason = FinishReason.STOP  # a stop string: the text ends here; the core must stop
         if reason is not None:
-            state.metrics["finished"] = now
+            state.times.finished = now
         return reason
 
     @staticmethod
-    def _request_output(state: RequestState, reason: str | None) -> RequestOutput:
+    def _request_output(state: RequestState, reason: FinishReason | None) -> RequestOutput:
         finished = reason is not None
         detok = state.detokenizer
         return RequestOutput(
@@ -114,6 +120,6 @@ class OutputProcessor:
             finish_reason=reason,
             logprobs=list(state.logprobs) if state.params.logprobs is not None else None,
             num_cached_tokens=state.num_cached_tokens,
-            metrics=dict(state.metrics),
+            times=replace(state.times),
             events=list(state.events),
         )

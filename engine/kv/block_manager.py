@@ -83,7 +83,7 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = len(hits) * self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold ``num_tokens`` slots; all or nothing."""

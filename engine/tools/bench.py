@@ -94,9 +94,9 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> Result:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    ttft = [(o.metrics["first_token"] - o.metrics["arrival"]) * 1e3 for o in outputs]
+    ttft = [(o.times.first_token - o.times.arrival) * 1e3 for o in outputs]
     itl = [
-        (o.metrics["finished"] - o.metrics["first_token"]) * 1e3 / (len(o.token_ids) - 1)
+        (o.times.finished - o.times.first_token) * 1e3 / (len(o.token_ids) - 1)
         for o in outputs
         if len(o.token_ids) > 1
     ]
