@@ -34,3 +34,49 @@ class CausalLM(nn.Module):
     def experts(self) -> list[Experts]:
         """The routed experts of every MoE layer; none for a dense model."""
         return []
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer layer. Subclasses build ``self_attn``, ``mlp`` and
+    the two norms; the residual stream passes through the fused add-and-norm."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+# Weight loading: the checks every architecture makes the same way.
+
+
+def never_loaded(name: str, tie_word_embeddings: bool) -> bool:
+    """Checkpoint tensors the model recomputes or shares instead of reading."""
+    return "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tie_word_embeddings)
+
+
+def copy_checked(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
+
+
+def check_complete(missing: list[str]) -> None:
+    """Refuse a checkpoint that left parameters unfilled, naming the first few."""
+    if missing:
+        raise ValueError(
+            f"checkpoint lacks weights for: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )

@@ -19,7 +19,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.mla import MLAAttention
 from engine.layers.moe import Experts, GatedMLP, MoE
 from engine.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, DecoderLayer, check_complete, copy_checked, never_loaded
 from engine.models.config import ModelConfig
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' default, not the config's
@@ -86,7 +86,7 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.self_attn = DeepseekV3Attention(cfg, rotary_emb)
@@ -106,15 +106,6 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions, x, residual):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class SharedHead(nn.Module):
@@ -245,9 +236,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         filled = dict.fromkeys(params, 0)
         shared: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # recomputed, never loaded
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if never_loaded(name, self.config.tie_word_embeddings):
                 continue
             target, expert = self._expert(name)
             if expert is not None:  # into each slot that holds a copy of the expert
@@ -266,19 +255,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
             dest = part(params[target].data)
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            copy_checked(name, dest, tensor)
             filled[target] += dest.numel()
-        missing = sorted(n for n, p in params.items() if filled[n] != p.numel())
-        if missing:
-            raise ValueError(
-                f"checkpoint lacks weights for: {', '.join(missing[:8])}"
-                + (" ..." if len(missing) > 8 else "")
-            )
+        check_complete(sorted(n for n, p in params.items() if filled[n] != p.numel()))
         self._check_shared(shared)
 
     def _expert(self, name: str) -> tuple[str, tuple[int, str] | None]:
@@ -299,12 +278,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         filled = 0
         for slot in experts.slots_of(e):
             dest = _half(getattr(experts, stacked).data[slot], proj)
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"expert {e} {proj}_proj: checkpoint shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            copy_checked(f"expert {e} {proj}_proj", dest, tensor)
             filled += dest.numel()
         return filled
 

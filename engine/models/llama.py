@@ -16,7 +16,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.rotary_embedding import RotaryEmbedding
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, DecoderLayer, check_complete, copy_checked, never_loaded
 from engine.models.config import ModelConfig
 
 
@@ -61,22 +61,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary_emb)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions, x, residual):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -154,9 +145,7 @@ class LlamaForCausalLM(CausalLM):
             expected.pop("lm_head.weight")
         loaded: dict[str, int] = {}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # recomputed, never loaded
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if never_loaded(name, self.config.tie_word_embeddings):
                 continue
             target, shard = name, None
             for part, (fused, index) in PACKED_MODULES.items():
@@ -171,16 +160,6 @@ class LlamaForCausalLM(CausalLM):
             else:
                 sizes = self._slices(target.split(".")[-2])
                 dest = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            copy_checked(name, dest, tensor)
             loaded[target] = loaded.get(target, 0) + 1
-        missing = sorted(n for n, count in expected.items() if loaded.get(n, 0) != count)
-        if missing:
-            raise ValueError(
-                f"checkpoint lacks weights for: {', '.join(missing[:8])}"
-                + (" ..." if len(missing) > 8 else "")
-            )
+        check_complete(sorted(n for n, count in expected.items() if loaded.get(n, 0) != count))
