@@ -89,3 +89,15 @@ def test_the_diagram_reads_on_a_phone() -> None:
     assert diagram().splitlines()[0].strip() == "flowchart TB"
     labels = [label for _, label in NODE.findall(diagram())]
     assert len(labels) <= 10 and max(map(len, labels)) <= 16, labels
+
+
+def test_the_folder_table_lists_every_folder_and_root_module() -> None:
+    """The page's table of folders is the engine's layout: every package under
+    engine/ and every module at its root but __init__.py, and nothing more."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## The folders", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(engine/[\w/.]+)` \|", section, re.M))
+    engine = ROOT / "engine"
+    actual = {f"engine/{p.name}" for p in engine.glob("*.py") if p.name != "__init__.py"}
+    actual |= {f"engine/{p.parent.name}/" for p in engine.glob("*/__init__.py")}
+    assert listed == actual, (sorted(listed - actual), sorted(actual - listed))
