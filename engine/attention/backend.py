@@ -7,7 +7,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.kv_cache import PagedKV
+from engine.kv.kv_cache import LatentKV, PagedKV
 
 M = TypeVar("M")  # a backend's own per-step metadata
 
@@ -36,8 +36,25 @@ class AttentionBackend(Protocol[M]):
         and values, already written to the cache."""
         ...
 
+    def store_latent(
+        self,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        cache: LatentKV,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """MLA's store: this step's [latent, rotary key] rows into their slots."""
+        ...
+
+    def gather_latents(
+        self, cache: LatentKV, block_table: torch.Tensor, context: int
+    ) -> torch.Tensor:
+        """MLA's prefill read: the first ``context`` cached rows [context, rank + rope]
+        of the sequence whose block table (one row of the step's) is given."""
+        ...
+
     def mla_decode(
-        self, q: torch.Tensor, cache: torch.Tensor, rank: int, attn_metadata: M, scale: float
+        self, q: torch.Tensor, cache: LatentKV, rank: int, attn_metadata: M, scale: float
     ) -> torch.Tensor:
         """MLA's absorbed decode: q [decodes, heads, rank + rope] over the paged latents,
         one KV head for every query head; returns [decodes, heads, rank]. See

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
-from engine.kv.kv_cache import PagedKV
+from engine.kv.kv_cache import LatentKV, PagedKV
 
 
 @dataclass
@@ -38,7 +38,7 @@ class CpuBackend(TorchBackend):
         lens = meta.context_lens[:d].to(torch.int32).contiguous()
         return CpuAttentionMetadata([], self.prefill_chunks(meta), tables, lens, meta)
 
-    def mla_decode(self, q, cache, rank: int, attn_metadata: CpuAttentionMetadata, scale):
+    def mla_decode(self, q, cache: LatentKV, rank: int, attn_metadata: CpuAttentionMetadata, scale):
         """MLA decodes through the torch path, whose groups the first layer builds."""
         if not attn_metadata.decode_groups and attn_metadata.meta.num_decodes:
             attn_metadata.decode_groups = self.decode_groups(attn_metadata.meta)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.kv_cache import PagedKV, store_kvcache
+from engine.kv.kv_cache import LatentKV, PagedKV, gather_latents, store_kvcache, store_latent
 from engine.layers.layernorm import rms_norm
 from engine.layers.rotary_embedding import rotary_embedding
 from engine.utils import cdiv
@@ -126,7 +126,7 @@ class TorchBackend:
     rotary_embedding = staticmethod(rotary_embedding)
 
     def mla_decode(
-        self, q, cache: torch.Tensor, rank: int, attn_metadata: TorchAttentionMetadata, scale
+        self, q, cache: LatentKV, rank: int, attn_metadata: TorchAttentionMetadata, scale
     ) -> torch.Tensor:
         """Absorbed MLA decode (engine/layers/mla.py): q [decodes, heads, rank + rope]
         over the paged latents [blocks, block_size, rank + rope], which serve as one
@@ -135,7 +135,7 @@ class TorchBackend:
         out = q.new_empty(*q.shape[:2], rank)
         for group in attn_metadata.decode_groups:
             rows, tables = group.rows, group.tables
-            latents = gather_blocks(cache, tables, self._buffer("latent", cache, tables))
+            latents = gather_blocks(cache.rows, tables, self._buffer("latent", cache.rows, tables))
             latents = latents[:, None]  # [seqs, 1, L, rank + rope]: the one KV head
             o = F.scaled_dot_product_attention(
                 q[rows][:, None], latents, latents[..., :rank], attn_mask=group.valid, scale=scale
@@ -180,3 +180,19 @@ class TorchBackend:
             )
             out[start : start + n] = o[0].transpose(0, 1)
         return out
+
+    def store_latent(
+        self,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        cache: LatentKV,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """MLA's store: one indexed copy of [latent, rotary key] rows."""
+        store_latent(latent, k_rope, cache, slot_mapping)
+
+    def gather_latents(
+        self, cache: LatentKV, block_table: torch.Tensor, context: int
+    ) -> torch.Tensor:
+        """MLA's prefill read, through the block table; see layers/mla.py."""
+        return gather_latents(cache, block_table, context)

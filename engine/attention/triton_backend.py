@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.kv_cache import PagedKV
+from engine.kv.kv_cache import LatentKV, PagedKV, gather_latents, store_latent
 from engine.layers.batch_invariant import one_query_per_row
 
 
@@ -69,6 +69,22 @@ class TritonBackend:
     def store_kvcache(self, k, v, cache: PagedKV, slot_mapping) -> None:
         self.kernels.store_kvcache(k, v, cache.k, cache.v, slot_mapping)
 
+    def store_latent(
+        self,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        cache: LatentKV,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """One indexed copy in torch: MLA's rows need no kernel of their own."""
+        store_latent(latent, k_rope, cache, slot_mapping)
+
+    def gather_latents(
+        self, cache: LatentKV, block_table: torch.Tensor, context: int
+    ) -> torch.Tensor:
+        """MLA's prefill attends in torch on every backend, and reads the cache so."""
+        return gather_latents(cache, block_table, context)
+
     def forward(self, q, k, v, cache: PagedKV, attn_metadata: TritonAttentionMetadata, scale):
         out = torch.empty_like(q)
         d, prefill = attn_metadata.num_decodes, attn_metadata.prefill
@@ -96,10 +112,12 @@ class TritonBackend:
             )
         return out
 
-    def mla_decode(self, q, cache, rank: int, attn_metadata: TritonAttentionMetadata, scale):
+    def mla_decode(
+        self, q, cache: LatentKV, rank: int, attn_metadata: TritonAttentionMetadata, scale
+    ):
         """Absorbed MLA decode over the paged latents: engine/kernels/mla_decode.py."""
         tables, lens = attn_metadata.block_tables, attn_metadata.context_lens
-        return self.kernels.paged_mla_decode(q, cache, tables, lens, rank, scale)
+        return self.kernels.paged_mla_decode(q, cache.rows, tables, lens, rank, scale)
 
     def rms_norm(self, x, residual, weight, eps):
         rows = x.reshape(-1, x.shape[-1])  # q/k norms see [tokens, heads, head_dim]

@@ -8,18 +8,33 @@ one latent vector per token (MLA, `MLACacheSpec`), or quantized values with thei
 scales, brings its own spec, and the pool sizes and allocates it the same way;
 the model runner never looks inside. Whatever a layer keeps, a token has the same
 (block, slot) address in every layer, so one block table serves them all.
+
+Every layer's cache shows the pool its tensors, each with the block as its first
+dimension (`KVCache.tensors`). That is all the pool needs to zero blocks before
+their first use, and to copy blocks out of every layer and back in
+(`KVCachePool.read_blocks`, `write_blocks`), as a store that keeps blocks beyond
+the pool, or hands them to another engine, would.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 import torch
 
 from engine.config import EngineConfig
 from engine.utils import cdiv
+
+
+class KVCache(Protocol):
+    """One layer's cache, whatever its format, as the pool sees it."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of this cache, each [num_blocks, ...]: block b of the
+        cache is row b of each (the pool zeroes and copies blocks this way)."""
+        ...
 
 
 class KVCacheSpec(Protocol):
@@ -29,7 +44,7 @@ class KVCacheSpec(Protocol):
         """Bytes one block of ``block_size`` token slots takes in this layer."""
         ...
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> Any:
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> KVCache:
         """This layer's cache: whatever its attention backend writes and reads, as
         tensors whose first dimension is the block (contents undefined until the
         pool zeroes them)."""
@@ -39,7 +54,7 @@ class KVCacheSpec(Protocol):
 class CachedLayer(Protocol):
     """An attention layer as the pool sees it: it says what it caches, and holds it."""
 
-    kv_cache: Any
+    kv_cache: KVCache | None  # None until the pool binds it
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec: ...
 
@@ -50,6 +65,9 @@ class PagedKV:
 
     k: torch.Tensor
     v: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
 
 
 @dataclass(frozen=True)
@@ -90,18 +108,53 @@ class MLACacheSpec:
     def block_bytes(self, block_size: int) -> int:
         return block_size * (self.kv_lora_rank + self.rope_dim) * self.dtype.itemsize
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> LatentKV:
         """[num_blocks, block_size, kv_lora_rank + rope_dim]."""
         shape = (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
-        return torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
+        return LatentKV(torch.empty(shape, dtype=self.dtype, device=device))  # the pool zeroes it
+
+
+@dataclass
+class LatentKV:
+    """One MLA layer's cache: a [latent, rotary key] row per token slot,
+    [num_blocks, block_size, kv_lora_rank + rope_dim]."""
+
+    rows: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.rows]
 
 
 def store_latent(
-    latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+    latent: torch.Tensor, k_rope: torch.Tensor, cache: LatentKV, slot_mapping: torch.Tensor
 ) -> None:
     """Write this step's [latent, rotary key] rows into their slots, one indexed copy."""
     rows = torch.cat([latent, k_rope], dim=-1)
-    cache.view(-1, rows.shape[-1]).index_copy_(0, slot_mapping, rows)
+    cache.rows.view(-1, rows.shape[-1]).index_copy_(0, slot_mapping, rows)
+
+
+def gather_latents(cache: LatentKV, block_table: torch.Tensor, context: int) -> torch.Tensor:
+    """The first ``context`` rows [context, rank + rope] of one sequence, read
+    through its block table (one row of the step's, padded with -1 past its blocks)."""
+    blocks = block_table[: cdiv(context, cache.rows.shape[1])].long()
+    return cache.rows[blocks].flatten(0, 1)[:context]
+
+
+@dataclass
+class KVBlocks:
+    """Some blocks' contents in every layer, copied to the host: ``layers[i][j]``
+    is layer i's j-th cache tensor at those blocks, [num_blocks, ...], in the
+    order their ids were given. The ids themselves are not kept: what a block
+    holds does not depend on where it sits, so it may be written back anywhere."""
+
+    layers: list[list[torch.Tensor]]
+
+    @property
+    def num_blocks(self) -> int:
+        return next((len(t) for ts in self.layers for t in ts), 0)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for ts in self.layers for t in ts)
 
 
 @dataclass(frozen=True)
@@ -144,9 +197,8 @@ class KVCachePool:
         if num_blocks <= self.num_touched_blocks:
             return
         lo, hi = self.num_touched_blocks, min(num_blocks, self.num_blocks)
-        for layer in self.layers:
-            cache = layer.kv_cache
-            for t in (cache.k, cache.v) if isinstance(cache, PagedKV) else (cache,):
+        for cache in self._caches():
+            for t in cache.tensors():
                 t[lo:hi].zero_()
         self.num_touched_blocks = hi
 
@@ -154,6 +206,64 @@ class KVCachePool:
         """Treat every block as unused again, so that each is zeroed before its
         first use (after a warm-up wrote dummy keys and values)."""
         self.num_touched_blocks = 0
+
+    def read_blocks(self, block_ids: list[int]) -> KVBlocks:
+        """Copy these blocks out of every tensor of every layer, to the host. A
+        block never used reads as zeros (it is zeroed first, as on its first use)."""
+        index = self._block_index(block_ids)
+        self.touch(max(block_ids, default=-1) + 1)
+        return KVBlocks(
+            [[t.index_select(0, index).cpu() for t in c.tensors()] for c in self._caches()]
+        )
+
+    def write_blocks(self, block_ids: list[int], data: KVBlocks) -> None:
+        """Copy ``data`` (what some pool's ``read_blocks`` returned, for blocks
+        shaped like this pool's) into these blocks of every layer, in order."""
+        index = self._block_index(block_ids)
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"block ids {block_ids} repeat: each block can be written once")
+        self._check_blocks(len(block_ids), data)
+        self.touch(max(block_ids, default=-1) + 1)  # so that no later first use zeroes them
+        for cache, tensors in zip(self._caches(), data.layers):
+            for t, rows in zip(cache.tensors(), tensors):
+                t.index_copy_(0, index, rows.to(t.device))
+
+    def _caches(self) -> list[KVCache]:
+        """Every layer's cache, as ``__init__`` bound it."""
+        return [cast(KVCache, layer.kv_cache) for layer in self.layers]
+
+    def _block_index(self, block_ids: list[int]) -> torch.Tensor:
+        """The ids as an index on the pool's device, once each is known to be a block."""
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad} are outside this pool's {self.num_blocks} blocks")
+        device = self._caches()[0].tensors()[0].device if self.layers else "cpu"
+        return torch.tensor(block_ids, dtype=torch.long, device=device)
+
+    def _check_blocks(self, num_ids: int, data: KVBlocks) -> None:
+        """ValueError unless ``data`` holds ``num_ids`` blocks in this pool's format."""
+        if len(data.layers) != len(self.layers):
+            raise ValueError(
+                f"data has {len(data.layers)} layers; this pool has {len(self.layers)}"
+            )
+        for i, (cache, tensors) in enumerate(zip(self._caches(), data.layers)):
+            ours = cache.tensors()
+            if len(tensors) != len(ours):
+                raise ValueError(
+                    f"layer {i}: data has {len(tensors)} tensors; this pool has {len(ours)}"
+                )
+            for j, (t, rows) in enumerate(zip(ours, tensors)):
+                if len(rows) != num_ids:
+                    raise ValueError(
+                        f"layer {i} tensor {j}: data holds {len(rows)} blocks "
+                        f"but {num_ids} block ids were given"
+                    )
+                want = (num_ids, *t.shape[1:])
+                if tuple(rows.shape) != want or rows.dtype != t.dtype:
+                    raise ValueError(
+                        f"layer {i} tensor {j}: data is {tuple(rows.shape)} {rows.dtype}; "
+                        f"this pool's blocks are {want} {t.dtype}"
+                    )
 
     def kv_cache_config(self) -> KVCacheConfig:
         return KVCacheConfig(self.num_blocks, self.block_size, self.max_model_len)

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.context import get_forward_context
-from engine.kv.kv_cache import MLACacheSpec, store_latent
-from engine.utils import cdiv
+from engine.attention.metadata import AttentionMetadata
+from engine.kv.kv_cache import LatentKV, MLACacheSpec
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ class MLAAttention(nn.Module):
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.scale = scale
-        self.kv_cache: torch.Tensor | None = None  # KVCachePool binds this layer's blocks
+        self.kv_cache: LatentKV | None = None  # KVCachePool binds this layer's blocks
 
     def kv_cache_spec(self, dtype: torch.dtype) -> MLACacheSpec:
         return MLACacheSpec(self.kv_lora_rank, self.rope_dim, dtype)
@@ -93,7 +93,7 @@ class MLAAttention(nn.Module):
         Returns [tokens, heads, v]."""
         ctx = get_forward_context()
         meta = ctx.meta
-        store_latent(latent, k_rope, self.kv_cache, meta.slot_mapping)
+        ctx.backend.store_latent(latent, k_rope, self.kv_cache, meta.slot_mapping)
         out = q_nope.new_empty(len(q_nope), self.num_heads, self.v_dim)
         d = meta.num_decodes
         if d:  # absorbed: attention reads the latents alone, on the backend's kernel
@@ -109,19 +109,25 @@ class MLAAttention(nn.Module):
             self._prefill(q, rows, kv_b, meta, out)
         return out
 
-    def _prefill(self, q, rows, kv_b, meta, out: torch.Tensor) -> None:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        kv_b: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
         """Causal attention for each prompt chunk, over its whole context: the new
         rows alone for a whole prompt, else the rows the cache holds (the prefix
-        and, stored already, the chunk itself)."""
+        and, stored already, the chunk itself), read through the backend."""
+        backend = get_forward_context().backend
         starts = list(accumulate(meta.query_lens_cpu, initial=0))  # on the host: no GPU wait
-        block_size = self.kv_cache.shape[1]
         for i in range(meta.num_decodes, len(meta.query_lens_cpu)):
             start, n, context = starts[i], meta.query_lens_cpu[i], meta.context_lens_cpu[i]
             if n == context:
                 seen, mask = rows[start : start + n], None
             else:
-                blocks = meta.block_tables[i, : cdiv(context, block_size)].long()
-                seen = self.kv_cache[blocks].flatten(0, 1)[:context]
+                seen = backend.gather_latents(self.kv_cache, meta.block_tables[i], context)
                 q_pos = torch.arange(context - n, context, device=q.device)
                 mask = torch.arange(context, device=q.device) <= q_pos[:, None]
             k, v = self.expand(*seen.split([self.kv_lora_rank, self.rope_dim], dim=-1), kv_b)

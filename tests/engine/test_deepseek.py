@@ -106,3 +106,50 @@ def test_bench_reports_the_cache_pool_bytes_per_token(deepseek, qwen3) -> None:
     assert lines[1].split()[-2:] == [str(latent), "bytes"], lines
     assert f"{dense} bytes  {dense / latent:5.2f}x" in lines[2], lines
     assert f"{gqa} bytes  {gqa / latent:5.2f}x" in lines[3], lines
+
+
+class RecordingBackend:
+    """The runner's backend, with a log of the MLA cache calls that reach it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if name in ("store_latent", "gather_latents", "mla_decode"):
+
+            def logged(*args, **kwargs):
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+
+            return logged
+        return attr
+
+
+def test_mla_reads_and_writes_its_cache_through_the_backend(deepseek) -> None:
+    """Like every attention layer's, MLA's cache is the backend's to write and read:
+    a backend that kept it elsewhere (or in another layout) would see every access.
+    A chunk over a cached prefix stores then gathers; a decode stores then decodes.
+    Blanking what the backend stores must change the result: the layer keeps no
+    path of its own to the cache."""
+    llm = LLM(deepseek[0], dtype="float32", block_size=16, num_kv_blocks=8)
+    runner = llm.llm_engine.executor.model_runner
+    attn = runner.model.model.layers[1].self_attn
+    runner.backend = RecordingBackend(runner.backend)
+    torch.manual_seed(0)
+    x, positions = torch.randn(20, attn.o_proj.out_features), torch.arange(20)
+    run(runner, one_sequence(12, 12, decode=False), lambda: attn(positions[:12], x[:12]))
+    assert runner.backend.calls == ["store_latent"]  # a whole prompt: the new rows alone
+    runner.backend.calls.clear()
+    chunk = one_sequence(7, 19, decode=False)
+    expected = run(runner, chunk, lambda: attn(positions[12:19], x[12:19]))
+    assert runner.backend.calls == ["store_latent", "gather_latents"]
+    runner.backend.calls.clear()
+    run(runner, one_sequence(1, 20, decode=True), lambda: attn(positions[19:], x[19:]))
+    assert runner.backend.calls == ["store_latent", "mla_decode"]
+
+    runner.backend.store_latent = lambda *args: None  # the cache keeps its old rows
+    runner.kv_cache.layers[1].kv_cache.rows.zero_()
+    run(runner, one_sequence(12, 12, decode=False), lambda: attn(positions[:12], x[:12]))
+    blank = run(runner, chunk, lambda: attn(positions[12:19], x[12:19]))
+    assert not torch.allclose(blank, expected)

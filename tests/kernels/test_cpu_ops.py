@@ -21,7 +21,7 @@ import torch
 from engine import csrc
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import reference
-from engine.kv.kv_cache import PagedKV
+from engine.kv.kv_cache import LatentKV, PagedKV
 from engine.tools.cpu_attention_bench import decode_only_metadata
 from engine.tools.kernel_bench import random_paged_cache, rel_err
 from tests.conftest import ROOT
@@ -127,7 +127,7 @@ def test_decode_groups_are_built_only_for_a_layer_that_reads_them():
     assert attn.decode_groups == [] and attn.prefill_chunks == []
     backend.forward(q, None, None, PagedKV(k, v), attn, 64**-0.5)
     assert attn.decode_groups == []  # the dense path never asked
-    latents = k.nan_to_num(0.0).flatten(2)  # [blocks, block_size, 256]: one latent row per slot
+    latents = LatentKV(k.nan_to_num(0.0).flatten(2))  # [blocks, block_size, 256]: a row per slot
     out = backend.mla_decode(q.flatten(1)[:, None], latents, 192, attn, 0.1)
     groups = attn.decode_groups
     assert sum(len(g.rows) for g in groups) == len(lens) and out.shape == (3, 1, 192)
