@@ -22,20 +22,51 @@ class LogprobsTensors:
     logprobs: torch.Tensor  # [rows, 1 + n] float32
 
 
+Logprobs = tuple[list[int], list[float]]  # one token's: token ids and their logprobs
+
+
+@dataclass
+class TokenRow:
+    """What one request gets from one step: the drafts it accepted, then the
+    token sampled after the last of them (just that one, without drafts)."""
+
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # per token; None where no request asked
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1
+
+
 @dataclass
 class ModelRunnerOutput:
-    """What one forward pass produced, for the scheduler to fold in."""
+    """What one forward pass produced, for the scheduler to fold in. A request
+    with k drafts samples k + 1 positions (its last token's and each draft's);
+    they sit in ``sampled_token_ids`` one after the other, in request order."""
 
     req_ids: list[str]  # the requests that sampled this step, in row order
-    sampled_token_ids: torch.Tensor  # [rows] int64, still on the device
-    logprobs: LogprobsTensors | None = None  # None when no request asked
-    # Speculative decoding (Chapter 5) adds how many draft tokens each row accepted.
+    sampled_token_ids: torch.Tensor  # [positions] int64, still on the device
+    logprobs: LogprobsTensors | None = None  # per position; None when no request asked
+    num_positions: list[int] | None = None  # per request, 1 + its drafts; None: 1 each
+    num_accepted: torch.Tensor | None = None  # [requests] int64 drafts accepted; None: no drafts
 
-    def logprobs_lists(self) -> list[tuple[list[int], list[float]] | None]:
-        """Each row's logprobs as host lists: (token ids, logprobs), or None."""
+    def logprobs_lists(self) -> list[Logprobs | None]:
+        """Each position's logprobs as host lists: (token ids, logprobs), or None."""
         if self.logprobs is None:
-            return [None] * len(self.req_ids)
+            return [None] * len(self.sampled_token_ids)
         return list(zip(self.logprobs.token_ids.tolist(), self.logprobs.logprobs.tolist()))
+
+    def token_rows(self) -> list[TokenRow]:
+        """Each request's row of tokens, on the host: the step's one wait for the device."""
+        tokens = self.sampled_token_ids.tolist()
+        logprobs = self.logprobs_lists()
+        counts = self.num_positions or [1] * len(self.req_ids)
+        accepted = [0] * len(counts) if self.num_accepted is None else self.num_accepted.tolist()
+        rows, start = [], 0
+        for n, a in zip(counts, accepted):
+            rows.append(TokenRow(tokens[start : start + a + 1], logprobs[start : start + a + 1]))
+            start += n
+        return rows
 
 
 class EngineCoreEventType(Enum):

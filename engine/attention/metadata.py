@@ -17,6 +17,24 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [seqs, max_blocks] int32, padded with -1
     context_lens: torch.Tensor  # [seqs] int32: tokens in the cache after this step
     cu_seqlens_q: torch.Tensor  # [seqs + 1] int32: where each sequence's queries start
-    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    # The first num_decodes sequences have exactly one query token: the step's
+    # decodes when decode_query_len is 1. Decodes with drafts have more, and go
+    # through the backends' prompt path, which attends any query over a cached
+    # context: then num_decodes is 0, though the decodes still come first.
+    num_decodes: int
     context_lens_cpu: list[int] = field(default_factory=list)
     query_lens_cpu: list[int] = field(default_factory=list)
+    decode_query_len: int = 1  # of this step's decodes (see decode_query_len()); 1 without drafts
+
+    def decodes_only(self) -> bool:
+        """Is every sequence of the step a decode (what CUDA graphs and the compiled
+        decode replay), and of one query token each?"""
+        return self.decode_query_len == 1 and self.num_decodes == len(self.query_lens_cpu)
+
+
+def decode_query_len(num_drafts: int) -> int:
+    """The one definition of a decode: a sequence whose step computes its newest
+    token and its ``num_drafts`` drafts, so 1 + num_drafts query tokens. The
+    scheduler counts decodes by it, the model runner orders the batch by it, and
+    graphs and the compiled decode run only steps whose decodes have length 1."""
+    return 1 + num_drafts

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from engine.core.executor import Executor
 from engine.core.output_processor import OutputProcessor
 from engine.core.stats import EngineStats
-from engine.outputs import RequestOutput
+from engine.outputs import FinishReason, RequestOutput
 from engine.runner.async_model_runner import StepFuture
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler_output import SchedulerOutput
@@ -74,7 +74,7 @@ class AsyncLoop:
         runner_output = step.future.result()
         core_outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
-        self.scheduler.finish_requests(processed.reqs_to_abort, "stop")
+        self.scheduler.finish_requests(processed.reqs_to_abort, FinishReason.STOP)
         return processed.request_outputs
 
     # --8<-- [end:async_step]

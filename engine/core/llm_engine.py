@@ -23,7 +23,7 @@ from engine.distributed.balancer import ExpertBalancer
 from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_root
 from engine.models.loader import load_tokenizer
-from engine.outputs import RequestOutput
+from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
@@ -147,7 +147,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or in_flight
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_requests([request_id], "abort")
+        self.scheduler.finish_requests([request_id], FinishReason.ABORT)
         self.output_processor.abort_request(request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -162,7 +162,7 @@ class LLMEngine:
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
-        self.scheduler.finish_requests(processed.reqs_to_abort, "stop")  # stop strings
+        self.scheduler.finish_requests(processed.reqs_to_abort, FinishReason.STOP)  # stop strings
         self.stats.step_seconds += time.perf_counter() - start
         return processed.request_outputs
 

@@ -121,6 +121,20 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the sequence's blocks past its first ``num_tokens`` slots: the
+        blocks that held only rejected drafts (the scheduler's rollback). They
+        were never offered to the prefix cache, so they are reused first."""
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= len(seq.block_hashes), "a published block cannot be rolled back"
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                self.free_blocks.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+
     def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Publish every block that is now full of computed tokens: the first
         ``num_computed`` of them, or all that ``seq`` counts as computed."""

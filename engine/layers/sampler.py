@@ -6,12 +6,13 @@ Every setting is a per-row tensor, so one set of tensor operations serves the
 batch: no loop over rows, and no wait for the GPU. The sampled ids stay on the
 device until something reads them.
 
-A request's random draws depend only on its seed and on how many tokens it has
-generated, never on which other requests share the batch or on whether it was
-preempted and recomputed. Token ``step`` of a request seeded ``seed`` draws one
-uniform number per vocabulary entry from a hash of (seed, step, token id),
-computed with integer tensor ops; that is what makes seeded sampling
-reproducible.
+A request's random draws depend only on its seed and on the output position of
+the token being drawn, never on which other requests share the batch, on
+whether it was preempted and recomputed, or on whether the token is sampled
+after a draft in the same step or a step later. Output token ``step`` of a
+request seeded ``seed`` draws one uniform number per vocabulary entry from a
+hash of (seed, step, token id), computed with integer tensor ops; that is what
+makes seeded sampling reproducible.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _MASK63 = (1 << 63) - 1
 class SamplingRow:
     params: SamplingParams
     seed: int
-    step: int  # how many tokens this request has generated so far
+    step: int  # the output position of the token this row samples (0: the first output)
 
 
 @dataclass

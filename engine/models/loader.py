@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
-from torch import nn
 
 from engine.config import EngineConfig
+from engine.models.base import CausalLM
 from engine.models.registry import build_model
 
 
@@ -46,7 +46,7 @@ def iterate_weights(
                 yield name, f.get_tensor(name)
 
 
-def load_model(config: EngineConfig, local_experts: list[list[int]] | None = None) -> nn.Module:
+def load_model(config: EngineConfig, local_experts: list[list[int]] | None = None) -> CausalLM:
     """Build the model on its device in its dtype, then copy the weights in. With
     ``local_experts`` (expert parallelism), each MoE layer holds only those experts'
     slots, and no other routed expert's weights are read."""

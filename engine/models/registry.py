@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from torch import nn
-
+from engine.models.base import CausalLM
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 # Qwen2 is Llama with biases on q, k and v; Qwen3 adds a norm on q and k. The
 # config flags (attention_bias, qk_norm) carry the difference.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
@@ -19,5 +18,5 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
 
-def build_model(config: ModelConfig) -> nn.Module:
+def build_model(config: ModelConfig) -> CausalLM:
     return MODEL_REGISTRY[config.architecture](config)

@@ -97,16 +97,19 @@ class AsyncCUDAOutput:
     wait; an event marks when they have landed, and result() waits for it alone."""
 
     def __init__(self, output: ModelRunnerOutput) -> None:
-        self.req_ids = output.req_ids
-        self.tokens = pinned_copy(output.sampled_token_ids)
-        lp = output.logprobs
-        self.logprobs = lp and LogprobsTensors(pinned_copy(lp.token_ids), pinned_copy(lp.logprobs))
+        lp, accepted = output.logprobs, output.num_accepted
+        self.output = replace(
+            output,
+            sampled_token_ids=pinned_copy(output.sampled_token_ids),
+            logprobs=lp and LogprobsTensors(pinned_copy(lp.token_ids), pinned_copy(lp.logprobs)),
+            num_accepted=None if accepted is None else pinned_copy(accepted),
+        )
         self.ready = torch.cuda.Event()
         self.ready.record()
 
     def result(self) -> ModelRunnerOutput:
         self.ready.synchronize()
-        return ModelRunnerOutput(self.req_ids, self.tokens, self.logprobs)
+        return self.output
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ def can_compile(model: nn.Module, device: torch.device) -> str | None:
     """Why the decode step of this model on this device cannot be compiled, or None."""
     if device.type != "cpu":
         return "it is for the CPU; on CUDA the decode step replays CUDA graphs"
-    if not getattr(model, "supports_compile", False):
+    if not getattr(model, "supports_compile", False):  # any nn.Module may be passed
         return f"{type(model).__name__} does not support it (dense Llama and Qwen models do)"
     if not vector_isa():
         return (
@@ -71,7 +71,7 @@ class CompiledDecode:
 
     @staticmethod
     def can_run(meta: AttentionMetadata) -> bool:
-        return meta.num_decodes == len(meta.query_lens_cpu)
+        return meta.decodes_only()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         graphs = _graphs_compiled()

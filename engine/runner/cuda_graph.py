@@ -91,7 +91,7 @@ class CUDAGraphRunner:
     def can_run(self, meta: AttentionMetadata) -> bool:
         seqs = len(meta.query_lens_cpu)
         return (
-            meta.num_decodes == seqs
+            meta.decodes_only()
             and bucket_for(seqs, self.buckets) is not None
             and meta.block_tables.shape[1] <= self.max_blocks
         )

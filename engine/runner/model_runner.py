@@ -7,7 +7,7 @@ each request; it knows nothing of the scheduler or its sequences."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 
 from engine.attention.backend import get_backend
 from engine.attention.context import forward_context
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, decode_query_len
 from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad, TrafficCounters, attach
@@ -29,7 +29,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode, can_compile
 from engine.runner.cuda_graph import CUDAGraphRunner
 from engine.sampling_params import SamplingParams
-from engine.sched.scheduler_output import GrammarOutput, SchedulerOutput
+from engine.sched.scheduler_output import GrammarOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import cdiv, to_device
 
 
@@ -39,7 +39,30 @@ class ModelInput:
     positions: torch.Tensor  # [tokens]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to turn into logits
-    req_ids: list[str]  # the requests those rows belong to
+    req_ids: list[str]  # the requests that sample, in the order of those rows
+    # Per request that samples: the position of its first sampled token among its
+    # output tokens, and its drafts, each checked at the row after the one before.
+    first_outputs: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+
+    def num_positions(self) -> list[int]:
+        """Per request that samples, its rows of logits: its last token's, and each draft's."""
+        return [1 + len(d) for d in self.drafts]
+
+
+@dataclass
+class DraftCheck:
+    """On the device: the drafts of each request that sampled, padded with -1
+    (which no sampled token equals), and the row of the token sampled before each."""
+
+    drafts: torch.Tensor  # [requests, max drafts] int64
+    rows: torch.Tensor  # [requests, max drafts] int64 indices into the sampled tokens
+
+    def num_accepted(self, sampled: torch.Tensor) -> torch.Tensor:
+        """Strict match, left to right: drafts accepted until the first that differs
+        from the token sampled at its position."""
+        match = sampled[self.rows] == self.drafts
+        return match.long().cumprod(dim=1).sum(dim=1)
 
 
 @dataclass
@@ -52,6 +75,7 @@ class PreparedStep:
     attn_metadata: Any  # what the backend's build_metadata built; None with a graph
     sampling: SamplingMetadata
     future_slots: torch.Tensor | None = None  # async scheduling: see async_model_runner.py
+    drafts: DraftCheck | None = None  # None when no request carries drafts
 
 
 @dataclass
@@ -60,7 +84,7 @@ class CachedRequestState:
 
     sampling_params: SamplingParams
     seed: int
-    num_sampled: int = 0  # tokens sampled so far: the position in its random stream
+    num_prompt_tokens: int  # a sampled token's output position is its position less these
 
 
 class ModelRunner:
@@ -81,12 +105,11 @@ class ModelRunner:
         self.model = load_model(config, local)
         if config.batch_invariant:
             use_fixed_row_tiles(self.model)
-        elif getattr(self.model, "supports_packed_linears", False) and can_pack(
-            self.device, config.dtype
-        ):
+        elif self.model.supports_packed_linears and can_pack(self.device, config.dtype):
             pack_linears(self.model)  # a CPU's matmuls, from weights laid out for them
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.sampled_hidden_states: torch.Tensor | None = None  # of the last step (forward)
         self._bind_expert_counts()
         self.traffic = TrafficCounters()
         if self.placement is not None:
@@ -101,7 +124,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and self.backend.name == "triton"
             and not config.enforce_eager
-            and getattr(self.model, "supports_cuda_graphs", True)
+            and self.model.supports_cuda_graphs
         ):
             c = config.hf_config
             self.graphs = CUDAGraphRunner(
@@ -154,7 +177,7 @@ class ModelRunner:
 
     def _bind_expert_counts(self) -> None:
         """Every MoE layer counts its tokens into a row of one tensor in the stats."""
-        experts = self.model.experts() if hasattr(self.model, "experts") else []
+        experts = self.model.experts()
         if experts:
             counts = torch.zeros(
                 len(experts), experts[0].num_experts, dtype=torch.int64, device=self.device
@@ -206,7 +229,8 @@ class ModelRunner:
         """
         # --8<-- [start:flatten_batch]
         bs = self.block_size
-        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable
+        q = decode_query_len(max((item.num_drafts for item in out.scheduled), default=0))
+        items = sorted(out.scheduled, key=lambda s: not is_decode(s, q))  # stable
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -219,8 +243,8 @@ class ModelRunner:
             slots += [item.block_table[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
-            if item.samples:  # the last token's hidden state gives the next token
-                logits_indices.append(len(input_ids) - 1)
+            if item.samples:  # the last token's hidden state, and each draft's, give a token
+                logits_indices += range(len(input_ids) - 1 - item.num_drafts, len(input_ids))
                 req_ids.append(item.req_id)
         width = max(len(item.block_table) for item in items)
         tables = [it.block_table + [-1] * (width - len(it.block_table)) for it in items]
@@ -229,41 +253,67 @@ class ModelRunner:
         cu_seqlens = [0]
         for n in query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
+        num_decodes = sum(1 for item in items if is_decode(item, q))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=self._tensor(tables, torch.int32),
             context_lens=self._tensor(context_lens, torch.int32),
             cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
-            num_decodes=sum(1 for n in query_lens if n == 1),
+            num_decodes=num_decodes if q == 1 else 0,  # see AttentionMetadata.num_decodes
             context_lens_cpu=context_lens,
             query_lens_cpu=query_lens,
+            decode_query_len=q,
         )
+        sampling = [item for item in items if item.samples]
         return ModelInput(
             self._tensor(input_ids, torch.int64),
             self._tensor(positions, torch.int64),
             meta,
             self._tensor(logits_indices, torch.int64),
             req_ids,
+            [self._first_output(item) for item in sampling],
+            [item.draft_token_ids for item in sampling],
         )
+
+    def _first_output(self, item: ScheduledRequest) -> int:
+        """The output position of the token sampled after the item's last real token."""
+        end = item.num_computed_tokens + item.num_new_tokens - item.num_drafts
+        return end - self.requests[item.req_id].num_prompt_tokens
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The host's share of a step: the flattened batch, and the attention and
-        sampling metadata. Nothing here waits for the device."""
+        sampling metadata. Nothing here waits for the device. Each sampled row
+        draws from its request's random stream at its token's output position, so
+        a token is the same whether it is sampled after a draft or a step later."""
         self._update_states(scheduler_output)
         batch = self.build_model_input(scheduler_output)
         graph = self.graphs is not None and self.graphs.can_run(batch.meta)
         attn_metadata = None if graph else self.backend.build_metadata(batch.meta)
-        states = [self.requests[req_id] for req_id in batch.req_ids]
-        rows = [SamplingRow(s.sampling_params, s.seed, s.num_sampled) for s in states]
-        for state in states:
-            state.num_sampled += 1
+        rows = []
+        for req_id, first, drafts in zip(batch.req_ids, batch.first_outputs, batch.drafts):
+            s = self.requests[req_id]
+            rows += [
+                SamplingRow(s.sampling_params, s.seed, first + j) for j in range(1 + len(drafts))
+            ]
         vocab = self.config.hf_config.vocab_size
         sampling = SamplingMetadata.from_rows(rows, vocab, self.device)
-        sampling.grammar = self._grammar_mask(scheduler_output.grammar, batch.req_ids)
-        return PreparedStep(batch, graph, attn_metadata, sampling)
+        sampling.grammar = self._grammar_mask(scheduler_output.grammar, batch)
+        return PreparedStep(batch, graph, attn_metadata, sampling, drafts=self._draft_check(batch))
+
+    def _draft_check(self, batch: ModelInput) -> DraftCheck | None:
+        """What strict-match acceptance compares, on the device; None without drafts."""
+        width = max((len(d) for d in batch.drafts), default=0)
+        if width == 0:
+            return None
+        drafts, rows, start = [], [], 0
+        for n, d in zip(batch.num_positions(), batch.drafts):
+            drafts.append(d + [-1] * (width - len(d)))
+            rows.append([start + min(j, n - 1) for j in range(width)])
+            start += n
+        return DraftCheck(self._tensor(drafts, torch.int64), self._tensor(rows, torch.int64))
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> torch.Tensor:
@@ -277,7 +327,10 @@ class ModelRunner:
             model = self.compiled if compiled else self.model
             with forward_context(batch.meta, step.attn_metadata, self.backend):
                 hidden = model(batch.input_ids, batch.positions)
-        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        # The sampled positions' last hidden states, in row order: what a draft
+        # proposer (an MTP module, EAGLE) would start from.
+        self.sampled_hidden_states = hidden[batch.logits_indices]
+        logits = self.model.compute_logits(self.sampled_hidden_states).float()
         self.stats.forward_seconds += time.perf_counter() - start
         return logits
 
@@ -290,19 +343,27 @@ class ModelRunner:
         if self.rank != 0:
             return None
         sampled = self.sampler(logits, step.sampling)
-        return ModelRunnerOutput(step.batch.req_ids, sampled.sampled_token_ids, sampled.logprobs)
+        tokens, batch = sampled.sampled_token_ids, step.batch
+        if step.drafts is None:
+            return ModelRunnerOutput(batch.req_ids, tokens, sampled.logprobs)
+        accepted = step.drafts.num_accepted(tokens)
+        return ModelRunnerOutput(
+            batch.req_ids, tokens, sampled.logprobs, batch.num_positions(), accepted
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: prepare its inputs, then run it."""
         return self.execute_prepared(self.prepare_inputs(scheduler_output))
 
-    def _grammar_mask(
-        self, grammar: GrammarOutput | None, req_ids: list[str]
-    ) -> GrammarMask | None:
-        """The step's grammar masks, on the device, with the rows they belong to."""
+    def _grammar_mask(self, grammar: GrammarOutput | None, batch: ModelInput) -> GrammarMask | None:
+        """The step's grammar masks, on the device, with the rows they belong to:
+        each request's first (a request under a grammar carries no drafts)."""
         if grammar is None:
             return None
-        row = {req_id: i for i, req_id in enumerate(req_ids)}
+        starts = [0]
+        for n in batch.num_positions():
+            starts.append(starts[-1] + n)
+        row = dict(zip(batch.req_ids, starts))
         rows = self._tensor([row[req_id] for req_id in grammar.req_ids], torch.int64)
         return GrammarMask(rows, grammar.bitmask.to(self.device, non_blocking=True))
 
@@ -311,4 +372,11 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)  # an abort may come before its first step
         for new in scheduler_output.new_requests:
-            self.requests[new.req_id] = CachedRequestState(new.sampling_params, new.seed)
+            state = CachedRequestState(new.sampling_params, new.seed, new.num_prompt_tokens)
+            self.requests[new.req_id] = state
+
+
+def is_decode(item: ScheduledRequest, query_len: int) -> bool:
+    """Is the item one of the step's decodes, whose query is ``query_len`` tokens:
+    its newest token, then the drafts that make up the rest?"""
+    return item.num_new_tokens == query_len == decode_query_len(item.num_drafts)

@@ -28,12 +28,22 @@ delay is handled where it happens:
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, TokenRow
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
 from engine.sched.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class StepInFlight:
+    """A step scheduled and not yet folded in: its requests as they were then, and
+    for each, where its new tokens end, which is where its sampled token goes."""
+
+    seqs: dict[str, Sequence] = field(default_factory=dict)
+    ends: dict[str, int] = field(default_factory=dict)
 
 
 def needs_token_on_host(params: SamplingParams) -> bool:
@@ -49,20 +59,21 @@ def needs_token_on_host(params: SamplingParams) -> bool:
 class AsyncScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # The steps scheduled but not yet folded in, oldest first: for each, its
-        # requests as they were then, and where each one's new tokens end.
-        self.in_flight: deque[dict[str, tuple[Sequence, int]]] = deque()
+        self.in_flight: deque[StepInFlight] = deque()  # oldest first
+        self.folding = StepInFlight()  # the step update_from_output is folding in
 
     # --8<-- [start:schedule_ahead]
     def schedule(self) -> SchedulerOutput:
         out = super().schedule()
-        step = {}
+        step = StepInFlight()
         for item in out.scheduled:
             seq = self.requests[item.req_id]
             seq.num_computed_tokens += item.num_new_tokens  # in flight counts as computed
-            if item.samples:
-                seq.token_ids.append(PLACEHOLDER)  # the token this step will sample
-            step[item.req_id] = (seq, seq.num_computed_tokens)
+            # The tokens this step will sample: one per sampling request, as no
+            # request carries drafts here (_propose).
+            seq.token_ids += [PLACEHOLDER] * item.samples
+            step.seqs[item.req_id] = seq
+            step.ends[item.req_id] = seq.num_computed_tokens
         if out.scheduled:
             self.in_flight.append(step)
         return out
@@ -74,9 +85,15 @@ class AsyncScheduler(Scheduler):
 
     # --8<-- [end:schedule_ahead]
 
+    def _propose(self) -> dict[str, list[int]]:
+        """Drafts would have to be checked against tokens still in flight."""
+        if any(super()._propose().values()):
+            raise ValueError("draft tokens need async_scheduling=False")
+        return {}
+
     @staticmethod
-    def _scheduled(seq: Sequence, n: int) -> ScheduledRequest:
-        item = Scheduler._scheduled(seq, n)
+    def _scheduled(seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        item = Scheduler._scheduled(seq, n, drafts)
         # The step runs while the scheduler goes on changing its own lists: the
         # step gets a block table of its own.
         item.block_table = list(item.block_table)
@@ -95,36 +112,24 @@ class AsyncScheduler(Scheduler):
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Step N's tokens, which arrive after step N+1 was scheduled: each takes
-        its placeholder's place, unless its request has finished since."""
-        step = self.in_flight.popleft()
-        for seq, end in step.values():
-            if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since
-                self.block_manager.cache_full_blocks(seq, end)
-        tokens = runner_output.sampled_token_ids.tolist()
-        outputs = []
-        for req_id, token, logprobs in zip(
-            runner_output.req_ids, tokens, runner_output.logprobs_lists()
-        ):
-            seq, end = step[req_id]
-            if seq.is_finished:  # a late finish: it stopped on step N-1's token
-                self.stats.discarded_tokens += 1
-                continue
-            reason = self._place_token(seq, end, token)
-            if reason is not None:  # free its blocks now, though step N+1 may write them
-                self._finish(seq, reason)
-            new_logprobs = [logprobs] if seq.params.logprobs is not None else None
-            outputs.append(
-                EngineCoreOutput(
-                    req_id, [token], new_logprobs, reason, seq.num_cached_prompt_tokens, seq.events
-                )
-            )
-            seq.events = []
-        self.stats.generated_tokens += len(outputs)
-        return outputs
+        its placeholder's place, unless its request has finished since (the
+        base's loop skips those, and counts their tokens as discarded)."""
+        self.folding = self.in_flight.popleft()
+        return super().update_from_output(scheduler_output, runner_output)
+
+    def _fold_target(self, item: ScheduledRequest) -> tuple[Sequence, int]:
+        """The request as it was scheduled, and where its placeholder stands."""
+        return self.folding.seqs[item.req_id], self.folding.ends[item.req_id]
+
+    def _fold_computed(self, seq: Sequence, item: ScheduledRequest, row: TokenRow | None) -> None:
+        """Counted as computed when scheduled; offer its full blocks now, unless it
+        was preempted since, which freed them."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.cache_full_blocks(seq, self.folding.ends[item.req_id])
 
     # --8<-- [end:late_finish]
 
-    def _place_token(self, seq: Sequence, index: int, token: int) -> str | None:
+    def _place_token(self, seq: Sequence, index: int, token: int) -> FinishReason | None:
         """Put the token where its placeholder stands, and judge it as the newest
         token: a placeholder after it belongs to a step that has sampled nothing yet."""
         ahead = seq.token_ids[index + 1 :]

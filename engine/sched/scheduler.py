@@ -6,6 +6,11 @@ There is no separate prefill phase. A sequence simply has tokens whose keys and
 values are not yet in the cache; a new prompt has many, a decoding sequence has
 one (the token it sampled last step). A long prompt is split across steps
 (chunked prefill), and its chunks share steps with other sequences' decodes.
+
+A decoding sequence may also carry drafts, a proposer's guesses of the tokens
+after its newest one (DraftProposer): the step computes them too, and the
+sequence keeps those the model agrees with, plus the token it samples after
+the last of them (update_from_output).
 """
 
 from __future__ import annotations
@@ -14,17 +19,37 @@ from bisect import insort
 from collections import deque
 from collections.abc import Collection
 from itertools import count
+from typing import Protocol
 
+from engine.attention.metadata import decode_query_len
 from engine.core.stats import EngineStats
 from engine.kv.block_manager import BlockManager
 from engine.outputs import (
     EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,
+    FinishReason,
     ModelRunnerOutput,
+    TokenRow,
 )
 from engine.sched.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+
+
+class DraftProposer(Protocol):
+    """Guesses of the tokens that follow some decoding sequences, for the model to
+    check in the same step as their newest token (speculative decoding)."""
+
+    def propose(self, seqs: list[Sequence]) -> dict[str, list[int]]:
+        """Drafts by request id; a sequence left out gets none."""
+        ...
+
+
+class NoDrafts:
+    """The default proposer: nothing proposes drafts yet."""
+
+    def propose(self, seqs: list[Sequence]) -> dict[str, list[int]]:
+        return {}
 
 
 class Scheduler:
@@ -36,6 +61,7 @@ class Scheduler:
         stats: EngineStats,
         eos_token_ids: Collection[int] = (),
         max_model_len: int | None = None,
+        proposer: DraftProposer | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -43,6 +69,7 @@ class Scheduler:
         self.stats = stats
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+        self.proposer: DraftProposer = proposer or NoDrafts()
         self.requests: dict[str, Sequence] = {}  # every unfinished one, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order, oldest first
@@ -67,8 +94,9 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = []
         budget = self.max_num_batched_tokens
-        # Running sequences first, oldest first: a decode token, or the next chunk
-        # of a prompt. If the cache is full, the newest sequences give way.
+        proposed = self._propose()
+        # Running sequences first, oldest first: a decode token (and its drafts),
+        # or the next chunk of a prompt. If the cache is full, the newest give way.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -76,11 +104,12 @@ class Scheduler:
             if n == 0:  # its last token is still being computed (async_scheduler.py)
                 i += 1
                 continue
-            if not self._reserve(seq, n, out):
+            drafts = self._drafts(seq, n, budget, proposed.get(seq.request_id, []))
+            if not self._reserve(seq, n + len(drafts), out):
                 break  # seq was the newest left, and preempted itself
             self._publish(seq, n)
-            out.scheduled.append(self._scheduled(seq, n))
-            budget -= n
+            out.scheduled.append(self._scheduled(seq, n, drafts))
+            budget -= n + len(drafts)
             i += 1
         # Then admit waiting sequences in arrival order, while budget and blocks
         # last. After a preemption the cache is full: admit nobody.
@@ -103,6 +132,27 @@ class Scheduler:
         """The tokens of a running sequence whose keys and values are not in the cache."""
         return seq.num_tokens - seq.num_computed_tokens
 
+    def _propose(self) -> dict[str, list[int]]:
+        """Ask the proposer for drafts for the sequences about to decode."""
+        if isinstance(self.proposer, NoDrafts):
+            return {}
+        decoding = [s for s in self.running if s.num_output_tokens and self._num_new_tokens(s) == 1]
+        return self.proposer.propose(decoding) if decoding else {}
+
+    def _drafts(self, seq: Sequence, n: int, budget: int, drafts: list[int]) -> list[int]:
+        """The drafts ``seq`` checks this step: only after its newest token, within
+        the token budget and the model's length, and no more than would reach
+        max_tokens with the token sampled after them. None under a grammar, which
+        would have to accept each draft before the next one's mask."""
+        if not drafts or seq.num_computed_tokens + n != seq.num_tokens:
+            return []
+        if seq.structured_output is not None:  # see the docstring
+            return []
+        room = min(budget - n, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens - 1)
+        return list(drafts[: max(room, 0)])
+
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
         """Start (or resume) a waiting sequence, reusing any cached prefix blocks."""
         bm = self.block_manager
@@ -117,7 +167,8 @@ class Scheduler:
         self.stats.prefix_cache_hit_tokens += num_cached
         if seq.num_preemptions == 0:  # its first admission: new to the model runner
             seq.num_cached_prompt_tokens = num_cached
-            out.new_requests.append(NewRequestData(seq.request_id, seq.params, seq.seed))
+            new = NewRequestData(seq.request_id, seq.params, seq.seed, seq.num_prompt_tokens)
+            out.new_requests.append(new)
         seq.status = SequenceStatus.RUNNING
         insort(self.running, seq, key=lambda s: s.seq_id)
         self._record(seq, EngineCoreEventType.SCHEDULED, num_cached)
@@ -134,15 +185,17 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, end)
 
     @staticmethod
-    def _scheduled(seq: Sequence, n: int) -> ScheduledRequest:
-        """The next ``n`` tokens of ``seq``, as the model runner reads them."""
+    def _scheduled(seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        """The next ``n`` tokens of ``seq``, then its drafts, as the model runner reads them."""
         start = seq.num_computed_tokens
+        drafts = drafts or []
         return ScheduledRequest(
             seq.request_id,
-            seq.token_ids[start : start + n],
+            seq.token_ids[start : start + n] + drafts,
             start,
             seq.block_table,
             samples=start + n == seq.num_tokens,
+            draft_token_ids=drafts,
         )
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
@@ -171,55 +224,97 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """After the forward pass: the scheduled tokens are now in the cache, and
-        every request that sampled gets its token, and finishes if it is done."""
+        """After the forward pass. Every request that sampled gets its row: the
+        drafts it accepted, then one more token, cut at a stop. Then its keys and
+        values in the cache count as computed, less the rejected drafts', whose
+        blocks are freed; only then are its full blocks offered to the prefix
+        cache. Requests that stopped finish last, after every block is offered."""
+        rows = dict(zip(runner_output.req_ids, runner_output.token_rows()))  # the one wait
+        folded: list[tuple[Sequence, TokenRow, int, str | None]] = []
         for item in scheduler_output.scheduled:
-            seq = self.requests[item.req_id]
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-        tokens = runner_output.sampled_token_ids.tolist()  # the step's one wait for the device
+            seq, index = self._fold_target(item)
+            row = rows.get(item.req_id)
+            if seq.is_finished:  # a late finish (async_scheduler.py): its tokens come too late
+                self.stats.discarded_tokens += len(row.token_ids) if row is not None else 0
+                continue
+            kept, reason = self._place_row(seq, index, row) if row is not None else (0, None)
+            self._fold_computed(seq, item, row)
+            if row is not None:
+                folded.append((seq, row, kept, reason))
         outputs = []
-        for req_id, token, logprobs in zip(
-            runner_output.req_ids, tokens, runner_output.logprobs_lists()
-        ):
-            seq = self.requests[req_id]
-            seq.token_ids.append(token)
-            if seq.structured_output is not None:
-                seq.structured_output.accept(token)
-            reason = self._stop_reason(seq, token)
+        for seq, row, kept, reason in folded:
             if reason is not None:
                 self._finish(seq, reason)
-            new_logprobs = [logprobs] if seq.params.logprobs is not None else None
+            logprobs = row.logprobs[:kept] if seq.params.logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
-                    req_id, [token], new_logprobs, reason, seq.num_cached_prompt_tokens, seq.events
+                    seq.request_id,
+                    row.token_ids[:kept],
+                    logprobs,
+                    reason,
+                    seq.num_cached_prompt_tokens,
+                    seq.events,
                 )
             )
             seq.events = []  # handed on
-        self.stats.generated_tokens += len(outputs)
+            self.stats.generated_tokens += kept
         return outputs
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _fold_target(self, item: ScheduledRequest) -> tuple[Sequence, int]:
+        """The sequence a step's item belongs to, and the index its first sampled
+        token takes: its end, as the step was over before the next was scheduled."""
+        seq = self.requests[item.req_id]
+        return seq, seq.num_tokens
+
+    def _place_row(self, seq: Sequence, index: int, row: TokenRow) -> tuple[int, str | None]:
+        """Place a row's tokens from ``index`` on, up to the first that stops the
+        request: how many it kept, and why it stops (None: it goes on)."""
+        for i, token in enumerate(row.token_ids):
+            reason = self._place_token(seq, index + i, token)
+            if reason is not None:
+                return i + 1, reason
+        return len(row.token_ids), None
+
+    def _place_token(self, seq: Sequence, index: int, token: int) -> FinishReason | None:
+        """Append the token (``index`` is the sequence's end) and judge it."""
+        seq.token_ids.append(token)
+        if seq.structured_output is not None:
+            seq.structured_output.accept(token)
+        return self._stop_reason(seq, token)
+
+    def _fold_computed(self, seq: Sequence, item: ScheduledRequest, row: TokenRow | None) -> None:
+        """The step's keys and values are in the cache, but a rejected draft's are
+        not the sequence's: count them out and free the blocks holding only them,
+        before any full block is offered to the prefix cache. A stop inside the
+        row leaves accepted drafts after it, which are not the sequence's either."""
+        rejected = item.num_drafts - (row.num_accepted if row is not None else 0)
+        computed = seq.num_computed_tokens + item.num_new_tokens - rejected
+        seq.num_computed_tokens = min(computed, seq.num_tokens)
+        if item.num_drafts:
+            self.block_manager.free_tail(seq, seq.num_computed_tokens)
+        self.block_manager.cache_full_blocks(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if seq.structured_output is not None and seq.structured_output.is_terminated():
-            return "stop"  # the grammar is complete
-        return "length" if self._length_reached(seq) else None
+            return FinishReason.STOP  # the grammar is complete
+        return FinishReason.LENGTH if self._length_reached(seq) else None
 
     def _length_reached(self, seq: Sequence) -> bool:
         """Has the sequence as many tokens as it may have: its max_tokens, or the model's?"""
         too_long = self.max_model_len is not None and seq.num_tokens >= self.max_model_len
         return seq.num_output_tokens >= seq.params.max_tokens or too_long
 
-    def finish_requests(self, request_ids: Collection[str], reason: str) -> None:
+    def finish_requests(self, request_ids: Collection[str], reason: FinishReason) -> None:
         """End requests from outside the step: an abort, or a stop string the
         front end found. Ids of requests already finished are ignored."""
         for request_id in request_ids:
             if (seq := self.requests.get(request_id)) is not None:
                 self._finish(seq, reason)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -229,14 +324,14 @@ class Scheduler:
         seq.finish_reason = reason
         del self.requests[seq.request_id]
         self.finished_req_ids.append(seq.request_id)
-        self.stats.finished_requests += reason != "abort"
+        self.stats.finished_requests += reason != FinishReason.ABORT
 
     def _count(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
             seq = self.requests[item.req_id]
-            decode = item.num_new_tokens == 1 and seq.num_output_tokens > 0 and item.samples
-            if decode:
-                self.stats.decode_tokens += 1
+            decode = item.num_new_tokens == decode_query_len(item.num_drafts)
+            if decode and seq.num_output_tokens > 0 and item.samples:
+                self.stats.decode_tokens += item.num_new_tokens
             else:
                 self.stats.prefill_tokens += item.num_new_tokens
                 self.stats.partial_prefills += not item.samples

@@ -27,21 +27,31 @@ class NewRequestData:
     req_id: str
     sampling_params: SamplingParams
     seed: int  # the request's own random stream (see layers/sampler.py)
+    num_prompt_tokens: int  # so that the runner knows each sampled token's output position
 
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step."""
+    """One request's share of a step. Its drafts, if any, end ``token_ids``: the
+    request's own tokens never include a draft until the model accepts it."""
 
     req_id: str
     token_ids: list[int]  # the new tokens, whose keys and values this step computes
     num_computed_tokens: int  # tokens already in the cache: token_ids[0] sits at this position
     block_table: list[int]  # logical -> physical; the scheduler's own list (async: a copy)
     samples: bool  # does this step reach the request's last token, so that it samples after it?
+    # Proposed tokens, the tail of token_ids (only when samples): each is checked
+    # against the token sampled at the position before it (sched/scheduler.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
+        """Every token whose keys and values this step computes, drafts included."""
         return len(self.token_ids)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids)
 
 
 @dataclass
