@@ -230,7 +230,7 @@ class Scheduler:
         blocks are freed; only then are its full blocks offered to the prefix
         cache. Requests that stopped finish last, after every block is offered."""
         rows = dict(zip(runner_output.req_ids, runner_output.token_rows()))  # the one wait
-        folded: list[tuple[Sequence, TokenRow, int, str | None]] = []
+        folded: list[tuple[Sequence, TokenRow, int, FinishReason | None]] = []
         for item in scheduler_output.scheduled:
             seq, index = self._fold_target(item)
             row = rows.get(item.req_id)

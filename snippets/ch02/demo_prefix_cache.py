@@ -36,7 +36,7 @@ TEXT_SHOWN = 46  # characters shown of each answer
 def generate(llm: LLM, prompts: dict[str, str]) -> dict[str, tuple[RequestOutput, int]]:
     """Run the prompts together through the step API, as LLM.generate does, and
     return each output with the prompt tokens its request found in the prefix
-    cache (the Sequence's num_cached_tokens; RequestOutput does not carry it yet)."""
+    cache at admission (the Sequence's num_cached_prompt_tokens)."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     seqs = {}
@@ -48,7 +48,7 @@ def generate(llm: LLM, prompts: dict[str, str]) -> dict[str, tuple[RequestOutput
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
-    return {r: (outputs[r], seqs[r].num_cached_tokens) for r in prompts}
+    return {r: (outputs[r], seqs[r].num_cached_prompt_tokens) for r in prompts}
 
 
 def main() -> dict:
