@@ -84,12 +84,5 @@ def one_query_per_row(meta: AttentionMetadata) -> AttentionMetadata:
     ]
     repeats = torch.tensor(meta.query_lens_cpu, device=meta.block_tables.device)
     tables = meta.block_tables.repeat_interleave(repeats, dim=0, output_size=len(contexts))
-    return AttentionMetadata(
-        slot_mapping=meta.slot_mapping,
-        block_tables=tables,
-        context_lens=torch.tensor(contexts, dtype=torch.int32, device=tables.device),
-        cu_seqlens_q=torch.arange(len(contexts) + 1, dtype=torch.int32, device=tables.device),
-        num_decodes=len(contexts),
-        context_lens_cpu=contexts,
-        query_lens_cpu=[1] * len(contexts),
-    )
+    lens = torch.tensor(contexts, dtype=torch.int32, device=tables.device)
+    return AttentionMetadata.for_decodes(meta.slot_mapping, tables, lens, contexts)

@@ -61,14 +61,12 @@ class CUDAGraphRunner:
         self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs],
-            context_lens=self.context_lens[:bs],
-            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            num_decodes=bs,
-            context_lens_cpu=[1] * bs,
-            query_lens_cpu=[1] * bs,
+        return AttentionMetadata.for_decodes(
+            self.slot_mapping[:bs],
+            self.block_tables[:bs],
+            self.context_lens[:bs],
+            [1] * bs,
+            self.cu_seqlens_q[: bs + 1],
         )
 
     def _forward(self, bs: int) -> None:

@@ -157,15 +157,8 @@ class ModelRunner:
         write there is zeroed again before any request gets the block."""
         zeros = self._tensor([0, 0], torch.int64)
         positions = zeros.clone()  # two tensors, made outside inference mode, as a step's are
-        meta = AttentionMetadata(
-            slot_mapping=zeros,
-            block_tables=self._tensor([[0], [0]], torch.int32),
-            context_lens=self._tensor([1, 1], torch.int32),
-            cu_seqlens_q=self._tensor([0, 1, 2], torch.int32),
-            num_decodes=2,
-            context_lens_cpu=[1, 1],
-            query_lens_cpu=[1, 1],
-        )
+        tables, lens = self._tensor([[0], [0]], torch.int32), self._tensor([1, 1], torch.int32)
+        meta = AttentionMetadata.for_decodes(zeros, tables, lens, [1, 1])
         self.kv_cache.touch(1)
         with (
             torch.inference_mode(),

@@ -47,15 +47,11 @@ def best_us(fns, repeats: int) -> list[float]:
 
 def decode_only_metadata(tables: torch.Tensor, lens: list[int]) -> AttentionMetadata:
     """A step in which every sequence decodes one token over its cached context."""
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-        block_tables=tables,
-        context_lens=torch.tensor(lens, dtype=torch.int32),
-        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32),
-        num_decodes=len(lens),
-        context_lens_cpu=lens,
-        query_lens_cpu=[1] * len(lens),
+    slots, context_lens = (
+        torch.zeros(len(lens), dtype=torch.long),
+        torch.tensor(lens, dtype=torch.int32),
     )
+    return AttentionMetadata.for_decodes(slots, tables, context_lens, lens)
 
 
 def one_row(shape, batch: int, dtype: torch.dtype, repeats: int) -> tuple[float, float, float]:

@@ -59,3 +59,17 @@ def test_the_backend_runs_the_norms_and_rope(qwen3, monkeypatch) -> None:
 def test_no_module_flips_kernels_on_the_layers() -> None:
     offenders = [p.name for p in (ROOT / "engine").rglob("*.py") if "use_triton" in p.read_text()]
     assert not offenders, offenders
+
+
+def test_the_warm_up_constructor_builds_a_step_of_single_token_decodes() -> None:
+    tables = torch.tensor([[0, 1], [2, -1], [3, -1]], dtype=torch.int32)
+    lens = [20, 5, 1]
+    meta = AttentionMetadata.for_decodes(
+        torch.tensor([19, 36, 48]), tables, torch.tensor(lens, dtype=torch.int32), lens
+    )
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3]
+    assert meta.num_decodes == 3 and meta.query_lens_cpu == [1, 1, 1]
+    assert meta.context_lens_cpu == lens and meta.decodes_only()
+    static = torch.arange(4, dtype=torch.int32)
+    kept = AttentionMetadata.for_decodes(meta.slot_mapping, tables, meta.context_lens, lens, static)
+    assert kept.cu_seqlens_q is static  # a CUDA graph's buffer stays the one it captured
