@@ -28,7 +28,8 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def attention_layers(self) -> list[nn.Module]:
-        """Every layer with a paged cache, in the order the KV pool allocates them."""
+        """Every layer the KV pool gives a paged cache, in the order it allocates
+        them. Layers that serve only a draft (DeepSeek's MTP) are not among them."""
         raise NotImplementedError
 
     def experts(self) -> list[Experts]:

@@ -199,8 +199,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self.lm_head(x)
 
     def attention_layers(self) -> list[MLAAttention]:
-        """Every layer with a paged cache: the main layers', then the MTP modules'."""
-        return [layer.self_attn.attn for layer in (*self.model.layers, *self.model.mtp)]
+        """The main layers' attention, each with a paged cache. The MTP modules'
+        get blocks only from something that drafts with them (mtp_attention_layers)."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def mtp_attention_layers(self) -> list[MLAAttention]:
+        """The MTP modules' attention: each needs a paged cache of its own to draft."""
+        return [layer.self_attn.attn for layer in self.model.mtp]
 
     def moe_layers(self) -> list[MoE]:
         """Every MoE layer, main layers first, then the MTP modules'."""

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from engine import LLM
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
+from engine.kv.kv_cache import KVCachePool
 from engine.utils import cdiv
 from tests.engine import deepseek_reference as ref
 from tests.engine.conftest import build_checkpoint, random_prompts
@@ -46,6 +47,10 @@ def test_mtp_matches_float64_reference(tmp_path) -> None:
     runner = llm.llm_engine.executor.model_runner
     model = runner.model
     assert len(model.model.mtp) == cfg.num_nextn_predict_layers == 1
+    mtp = model.mtp_attention_layers()
+    assert all(layer.kv_cache is None for layer in mtp)  # no blocks until something drafts
+    config = llm.llm_engine.config
+    runner.kv_cache = KVCachePool(config, model.attention_layers() + mtp, runner.device)
     ids = torch.tensor(random_prompts(1, seed=41, low=40, high=41)[0])
     t = len(ids)
     pos = torch.arange(t)
