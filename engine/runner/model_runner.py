@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,13 +17,14 @@ from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata, decode_query_len
 from engine.config import EngineConfig
 from engine.core.stats import EngineStats
-from engine.distributed.expert_parallel import ExpertLoad, TrafficCounters, attach
-from engine.distributed.placement import ExpertPlacement, initial_placement
+from engine.distributed.expert_parallel import ExpertLoad
+from engine.distributed.placement import ExpertPlacement
+from engine.distributed.rank_experts import RankExperts
 from engine.kv.kv_cache import KVCacheConfig, KVCachePool
 from engine.layers.batch_invariant import use_fixed_row_tiles
 from engine.layers.linear import can_pack, pack_linears
 from engine.layers.sampler import GrammarMask, Sampler, SamplingMetadata, SamplingRow
-from engine.models.loader import iterate_weights, load_model
+from engine.models.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode, can_compile
 from engine.runner.cuda_graph import CUDAGraphRunner
@@ -100,9 +100,8 @@ class ModelRunner:
         self.backend = get_backend(
             config.attention_backend, config.device, config.block_size, config.batch_invariant
         )
-        self.placement = initial_placement(config)
-        local = self.placement.local_experts(rank) if self.placement else None
-        self.model = load_model(config, local)
+        self.rank_experts = RankExperts(config, rank)  # distributed/rank_experts.py
+        self.model = load_model(config, self.rank_experts.local_experts())
         if config.batch_invariant:
             use_fixed_row_tiles(self.model)
         elif self.model.supports_packed_linears and can_pack(self.device, config.dtype):
@@ -110,10 +109,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.sampled_hidden_states: torch.Tensor | None = None  # of the last step (forward)
-        self._bind_expert_counts()
-        self.traffic = TrafficCounters()
-        if self.placement is not None:
-            self.traffic = attach(self.model, self.placement, rank, self.device)
+        self.rank_experts.bind(self.model, self.stats, self.device)
         self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
         self.max_model_len = self.kv_cache.max_model_len
         self.compiled = self._compiled_decode()
@@ -168,50 +164,16 @@ class ModelRunner:
         self.kv_cache.forget_touched()
         self.compiled.steps = 0
 
-    def _bind_expert_counts(self) -> None:
-        """Every MoE layer counts its tokens into a row of one tensor in the stats."""
-        experts = self.model.experts()
-        if experts:
-            counts = torch.zeros(
-                len(experts), experts[0].num_experts, dtype=torch.int64, device=self.device
-            )
-            for row, layer in zip(counts, experts):
-                layer.token_counts = row
-            # This rank's routing; under expert parallelism the engine's stats get
-            # the sum over ranks (LLMEngine.sync_expert_stats).
-            self.expert_tokens = self.stats.expert_tokens = counts
-
     def kv_cache_config(self) -> KVCacheConfig:
         return self.kv_cache.kv_cache_config()
 
     def expert_load(self) -> ExpertLoad | None:
-        """What this rank's MoE layers recorded: tokens routed per logical expert,
-        rows run per physical slot, and bytes sent to other ranks."""
-        if self.stats.expert_tokens is None:
-            return None
-        moes = self.model.moe_layers()
-        slots = None
-        if self.placement is not None:
-            slots = torch.stack([moe.ep.slot_tokens for moe in moes])
-        return ExpertLoad(
-            self.expert_tokens.cpu(),
-            slots,
-            [self.traffic.dispatch_bytes],
-            [self.traffic.combine_bytes],
-        )
+        """What this rank's MoE layers recorded (see RankExperts.load)."""
+        return self.rank_experts.load()
 
     def apply_placement(self, placement: ExpertPlacement) -> None:
-        """Between steps: hold this rank's slots of a new placement, read their
-        experts' weights from the checkpoint, and count slot loads afresh."""
-        self.placement = placement
-        self.model.place_experts(placement.local_experts(self.rank))
-        names = iterate_weights(Path(self.config.model), self.model.wants_weight)
-        with torch.no_grad():
-            self.model.load_weights(names, only_experts=True)
-        traffic = self.traffic
-        self.traffic = attach(self.model, placement, self.rank, self.device)
-        self.traffic.dispatch_bytes = traffic.dispatch_bytes  # bytes are since start-up
-        self.traffic.combine_bytes = traffic.combine_bytes
+        """Between steps: move this rank to a new placement (RankExperts.apply)."""
+        self.rank_experts.apply(placement)
 
     def build_model_input(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled requests into one batch, decodes first.
