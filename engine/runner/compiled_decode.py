@@ -22,10 +22,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from engine.attention.backend import AttentionBackend
+from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.attention import compiled_layers
 
@@ -60,7 +63,10 @@ def vector_isa() -> bool:
 class CompiledDecode:
     """The model's forward pass for decode-only steps, through torch.compile."""
 
-    def __init__(self, model: nn.Module) -> None:
+    builds_own_metadata = False  # a DecodeFastPath (fast_path.py) that runs the backend's
+
+    def __init__(self, model: nn.Module, backend: AttentionBackend[Any]) -> None:
+        self.backend = backend
         self.fn: Callable[..., torch.Tensor] = torch.compile(model.forward, dynamic=True)
         self.layers = model.attention_layers()
         for i, layer in enumerate(self.layers):  # what the graph names each layer by
@@ -72,6 +78,16 @@ class CompiledDecode:
     @staticmethod
     def can_run(meta: AttentionMetadata) -> bool:
         return meta.decodes_only()
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        with forward_context(meta, attn_metadata, self.backend):
+            return self(input_ids, positions)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         graphs = _graphs_compiled()

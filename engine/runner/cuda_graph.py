@@ -13,6 +13,8 @@ much in shape and run eagerly. ``enforce_eager=True`` turns graphs off.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -36,6 +38,8 @@ def bucket_for(batch: int, buckets: list[int]) -> int | None:
 
 
 class CUDAGraphRunner:
+    builds_own_metadata = True  # a DecodeFastPath (fast_path.py)
+
     def __init__(
         self,
         model: nn.Module,
@@ -95,9 +99,14 @@ class CUDAGraphRunner:
         )
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        attn_metadata: Any = None,
     ) -> torch.Tensor:
-        """Copy this step into the static buffers, pad to the bucket, replay."""
+        """Copy this step into the static buffers, pad to the bucket, replay (the
+        captured kernels read their own metadata: ``attn_metadata`` is unused)."""
         n = len(meta.query_lens_cpu)
         bs = bucket_for(n, self.buckets)
         width = meta.block_tables.shape[1]

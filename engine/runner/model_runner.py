@@ -28,6 +28,7 @@ from engine.models.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode, can_compile
 from engine.runner.cuda_graph import CUDAGraphRunner
+from engine.runner.fast_path import DecodeFastPath
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler_output import GrammarOutput, ScheduledRequest, SchedulerOutput
 from engine.utils import cdiv, to_device
@@ -71,8 +72,8 @@ class PreparedStep:
     sampler read, so that they can run on another thread or stream."""
 
     batch: ModelInput
-    graph: bool  # replay a CUDA graph (decodes only), so no attention metadata
-    attn_metadata: Any  # what the backend's build_metadata built; None with a graph
+    fast: bool  # run by the runner's DecodeFastPath (decodes only; fast_path.py)
+    attn_metadata: Any  # what the backend's build_metadata built; None if the path builds its own
     sampling: SamplingMetadata
     future_slots: torch.Tensor | None = None  # async scheduling: see async_model_runner.py
     drafts: DraftCheck | None = None  # None when no request carries drafts
@@ -132,6 +133,8 @@ class ModelRunner:
                 config.dtype,
                 self.device,
             )
+        # At most one of the two: graphs need CUDA, the compiled decode a CPU.
+        self.fast_path: DecodeFastPath | None = self.graphs or self.compiled
 
     def _compiled_decode(self) -> CompiledDecode | None:
         want = self.config.compile_decode
@@ -145,7 +148,7 @@ class ModelRunner:
             raise ValueError(f"compile_decode=True cannot be honoured: {why_not}")
         if want is False or why_not:  # None: wherever it can run
             return None
-        return CompiledDecode(self.model)
+        return CompiledDecode(self.model, self.backend)
 
     def _compile_decode_now(self) -> None:
         """Compile before the first request rather than in the middle of it: one
@@ -245,8 +248,9 @@ class ModelRunner:
         a token is the same whether it is sampled after a draft or a step later."""
         self._update_states(scheduler_output)
         batch = self.build_model_input(scheduler_output)
-        graph = self.graphs is not None and self.graphs.can_run(batch.meta)
-        attn_metadata = None if graph else self.backend.build_metadata(batch.meta)
+        fast = self.fast_path is not None and self.fast_path.can_run(batch.meta)
+        own = fast and self.fast_path.builds_own_metadata
+        attn_metadata = None if own else self.backend.build_metadata(batch.meta)
         rows = []
         for req_id, first, drafts in zip(batch.req_ids, batch.first_outputs, batch.drafts):
             s = self.requests[req_id]
@@ -256,7 +260,7 @@ class ModelRunner:
         vocab = self.config.hf_config.vocab_size
         sampling = SamplingMetadata.from_rows(rows, vocab, self.device)
         sampling.grammar = self._grammar_mask(scheduler_output.grammar, batch)
-        return PreparedStep(batch, graph, attn_metadata, sampling, drafts=self._draft_check(batch))
+        return PreparedStep(batch, fast, attn_metadata, sampling, drafts=self._draft_check(batch))
 
     def _draft_check(self, batch: ModelInput) -> DraftCheck | None:
         """What strict-match acceptance compares, on the device; None without drafts."""
@@ -275,13 +279,12 @@ class ModelRunner:
         """One forward pass; logits only for the rows that will sample."""
         batch = step.batch
         start = time.perf_counter()
-        if step.graph:  # decodes only, on the GPU: replay the captured kernels
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        if step.fast:  # decodes alone: CUDA graphs or the compiled decode (fast_path.py)
+            args = batch.input_ids, batch.positions, batch.meta, step.attn_metadata
+            hidden = self.fast_path.run(*args)
         else:
-            compiled = self.compiled is not None and self.compiled.can_run(batch.meta)
-            model = self.compiled if compiled else self.model
             with forward_context(batch.meta, step.attn_metadata, self.backend):
-                hidden = model(batch.input_ids, batch.positions)
+                hidden = self.model(batch.input_ids, batch.positions)
         # The sampled positions' last hidden states, in row order: what a draft
         # proposer (an MTP module, EAGLE) would start from.
         self.sampled_hidden_states = hidden[batch.logits_indices]
