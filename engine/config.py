@@ -91,6 +91,15 @@ class EngineConfig:
                 "batch_invariant=True needs attention_backend 'torch' or 'triton': the 'cpu' "
                 "backend attends prompt chunks in batch-dependent order"
             )
+        if (
+            self.batch_invariant
+            and self.hf_config.mla is not None
+            and not self.device.startswith("cuda")
+        ):
+            raise ValueError(
+                "batch_invariant=True does not support MLA models (DeepSeek) on the CPU yet: "
+                "the torch backend's split-KV path has no absorbed MLA decode"
+            )
 
     @property
     def kv_format(self) -> str:

@@ -87,3 +87,10 @@ def test_llm_keywords_are_engine_config_fields(qwen3) -> None:
     assert (config.block_size, config.num_kv_blocks, config.max_num_seqs) == (8, 40, 256)
     with pytest.raises(TypeError, match="blok_size"):
         LLM(qwen3[0], dtype="float32", blok_size=8)
+
+
+def test_batch_invariance_with_mla_on_the_cpu_is_refused_up_front(deepseek) -> None:
+    """It used to fail at the first decode, inside the backend: the split-KV path
+    has no absorbed MLA decode."""
+    with pytest.raises(ValueError, match="MLA"):
+        LLM(str(deepseek[0]), device="cpu", batch_invariant=True, num_kv_blocks=8)
