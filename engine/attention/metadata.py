@@ -26,31 +26,6 @@ class AttentionMetadata:
     query_lens_cpu: list[int] = field(default_factory=list)
     decode_query_len: int = 1  # of this step's decodes (see decode_query_len()); 1 without drafts
 
-    @classmethod
-    def for_decodes(
-        cls,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        context_lens_cpu: list[int],
-        cu_seqlens_q: torch.Tensor | None = None,
-    ) -> AttentionMetadata:
-        """A step of decodes alone, one query token each: what a warm-up, a CUDA
-        graph's capture or the compiled decode's first compile runs. Pass
-        ``cu_seqlens_q`` to keep a static buffer; by default it is 0, 1, ..., n."""
-        n = len(context_lens_cpu)
-        if cu_seqlens_q is None:
-            cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=block_tables.device)
-        return cls(
-            slot_mapping,
-            block_tables,
-            context_lens,
-            cu_seqlens_q,
-            num_decodes=n,
-            context_lens_cpu=list(context_lens_cpu),
-            query_lens_cpu=[1] * n,
-        )
-
     def decodes_only(self) -> bool:
         """Is every sequence of the step a decode (what CUDA graphs and the compiled
         decode replay), and of one query token each?"""
@@ -63,3 +38,27 @@ def decode_query_len(num_drafts: int) -> int:
     scheduler counts decodes by it, the model runner orders the batch by it, and
     graphs and the compiled decode run only steps whose decodes have length 1."""
     return 1 + num_drafts
+
+
+def for_decodes(
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    context_lens_cpu: list[int],
+    cu_seqlens_q: torch.Tensor | None = None,
+) -> AttentionMetadata:
+    """A step of decodes alone, one query token each: what a warm-up, a CUDA
+    graph's capture or the compiled decode's first compile runs. Pass
+    ``cu_seqlens_q`` to keep a static buffer; by default it is 0, 1, ..., n."""
+    n = len(context_lens_cpu)
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=block_tables.device)
+    return AttentionMetadata(
+        slot_mapping,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        num_decodes=n,
+        context_lens_cpu=list(context_lens_cpu),
+        query_lens_cpu=[1] * n,
+    )

@@ -12,6 +12,13 @@ tokens are known. The scheduler writes placeholders for them
 (async_scheduler.py), the model runner resolves those on the device
 (future_tokens.py), and a request that finishes on step N's token wastes the
 token that step N+1 computes for it.
+
+A request under a grammar cannot wait for its token on the device: its mask for
+step N+1 is built on the host, from step N's token. While one has a token in
+flight (AsyncScheduler.must_sync), a call finishes step N first and then
+launches step N+1, with its masks, as the synchronous LLMEngine.step does:
+
+    wait for N, fold N in, N's outputs, schedule N+1, masks, launch N+1
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ from engine.core.stats import EngineStats
 from engine.outputs import FinishReason, RequestOutput
 from engine.runner.async_model_runner import StepFuture
 from engine.sched.async_scheduler import AsyncScheduler
-from engine.sched.scheduler_output import SchedulerOutput
+from engine.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
+from engine.sequence import Sequence
+from engine.structured_output import StructuredOutputManager
+from engine.structured_output.request import StructuredOutputRequest
 
 
 @dataclass
@@ -41,12 +51,15 @@ class AsyncLoop:
         executor: Executor,
         output_processor: OutputProcessor,
         stats: EngineStats,
+        structured_output: StructuredOutputManager,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.output_processor = output_processor
         self.stats = stats
+        self.structured_output = structured_output  # fills the grammar masks
         self.in_flight: InFlightStep | None = None  # launched, not yet folded in
+        self.num_syncs = 0  # calls that finished a step before scheduling the next
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
@@ -56,17 +69,32 @@ class AsyncLoop:
 
     # --8<-- [start:async_step]
     def _step(self) -> list[RequestOutput]:
-        """Launch step N+1, then finish step N, whose forward ran meanwhile."""
+        """Launch step N+1, then finish step N, whose forward ran meanwhile; or,
+        if a grammar needs step N's token (must_sync), finish N before N+1."""
         previous, self.in_flight = self.in_flight, None
+        synced: list[RequestOutput] | None = None
         if previous is not None and self.scheduler.must_sync():
-            return self._finish(previous)  # no overlap: the next call schedules N+1
+            synced, previous = self._finish(previous), None  # no overlap for N+1
+            self.num_syncs += 1
         scheduler_output = self.scheduler.schedule()  # placeholders for N's tokens
         if scheduler_output.scheduled:  # its inputs are built here, its forward left running
+            self._fill_bitmask(scheduler_output)
             future = self.executor.execute_model_async(scheduler_output)
             self.in_flight = InFlightStep(scheduler_output, future)
-        elif previous is None:
+        elif previous is None and synced is None:
             raise RuntimeError("requests are waiting but none could be scheduled")
+        if synced is not None:
+            return synced
         return self._finish(previous) if previous is not None else []
+
+    def _fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's grammar masks, as LLMEngine.step fills them, from each
+        grammar request's tokens less the placeholder this step just gave it."""
+        requests = self.scheduler.requests
+        holders = {
+            item.req_id: settled(requests[item.req_id]) for item in scheduler_output.scheduled
+        }
+        self.structured_output.fill_bitmask(scheduler_output, holders)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         """Wait for a step's tokens if its forward still runs, fold them in, and
@@ -78,3 +106,26 @@ class AsyncLoop:
         return processed.request_outputs
 
     # --8<-- [end:async_step]
+
+
+class SettledTokens:
+    """A grammar request as its mask sees it when its step is launched: its
+    output tokens without the placeholder for the token that step samples."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.structured_output: StructuredOutputRequest | None = seq.structured_output
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        tokens = self.seq.output_token_ids
+        if tokens and tokens[-1] == PLACEHOLDER:
+            tokens = tokens[:-1]
+        if PLACEHOLDER in tokens:  # must_sync should have waited for it
+            raise RuntimeError(f"request {self.seq.request_id!r}: its grammar's token is in flight")
+        return tokens
+
+
+def settled(seq: Sequence) -> Sequence | SettledTokens:
+    """``seq`` itself, unless a grammar reads its tokens (SettledTokens)."""
+    return seq if seq.structured_output is None else SettledTokens(seq)

@@ -70,7 +70,11 @@ class LLMEngine:
         self.async_loop = None
         if config.async_scheduling:
             self.async_loop = AsyncLoop(
-                self.scheduler, self.executor, self.output_processor, self.stats
+                self.scheduler,
+                self.executor,
+                self.output_processor,
+                self.stats,
+                self.structured_output,
             )
         self.trace = None
         if config.trace:
@@ -121,9 +125,6 @@ class LLMEngine:
             else self.config.seed * 1_000_003 + self._num_added
         )
         seq = Sequence(request_id, token_ids, params, seed=seed)
-        if params.structured_outputs is not None and self.async_loop is not None:
-            # A mask needs the previous token, which async scheduling has not got yet.
-            raise ValueError("structured output needs async_scheduling=False")
         if params.structured_outputs is not None:  # ValueError if it does not compile
             seq.structured_output = self.structured_output.request_for(params.structured_outputs)
         return seq

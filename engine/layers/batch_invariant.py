@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, for_decodes
 from engine.utils import cdiv
 
 ROW_TILE = 16  # rows per matrix-product call in batch-invariant mode
@@ -85,4 +85,4 @@ def one_query_per_row(meta: AttentionMetadata) -> AttentionMetadata:
     repeats = torch.tensor(meta.query_lens_cpu, device=meta.block_tables.device)
     tables = meta.block_tables.repeat_interleave(repeats, dim=0, output_size=len(contexts))
     lens = torch.tensor(contexts, dtype=torch.int32, device=tables.device)
-    return AttentionMetadata.for_decodes(meta.slot_mapping, tables, lens, contexts)
+    return for_decodes(meta.slot_mapping, tables, lens, contexts)

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.context import forward_context
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, for_decodes
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -65,7 +65,7 @@ class CUDAGraphRunner:
         self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata.for_decodes(
+        return for_decodes(
             self.slot_mapping[:bs],
             self.block_tables[:bs],
             self.context_lens[:bs],

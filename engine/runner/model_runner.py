@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.backend import get_backend
 from engine.attention.context import forward_context
-from engine.attention.metadata import AttentionMetadata, decode_query_len
+from engine.attention.metadata import AttentionMetadata, decode_query_len, for_decodes
 from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad
@@ -157,7 +157,7 @@ class ModelRunner:
         zeros = self._tensor([0, 0], torch.int64)
         positions = zeros.clone()  # two tensors, made outside inference mode, as a step's are
         tables, lens = self._tensor([[0], [0]], torch.int32), self._tensor([1, 1], torch.int32)
-        meta = AttentionMetadata.for_decodes(zeros, tables, lens, [1, 1])
+        meta = for_decodes(zeros, tables, lens, [1, 1])
         self.kv_cache.touch(1)
         with (
             torch.inference_mode(),

@@ -21,8 +21,9 @@ delay is handled where it happens:
   (_num_new_tokens);
 - a request preempted while its step-N token is in flight keeps that token
   when it arrives, and recomputes the rest as any preempted request does;
-- structured output will need a request's newest token on the host before its
-  next step is built: such a request makes the engine wait (must_sync).
+- a request under a grammar needs its newest token on the host before its next
+  step is built, for the grammar's mask: such a request makes the engine wait
+  (must_sync), so it never has a token in flight when it is scheduled.
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ class StepInFlight:
 def needs_token_on_host(params: SamplingParams) -> bool:
     """Must the host see a request's newest token before its next step is built?
 
-    No request does yet. Structured output will: its grammar has to accept token
-    N before it can mask the logits for token N+1, and that mask is built on the
-    host. Its requests will answer True here, and the engine then waits for the
+    A request with structured output must: its grammar has to accept token N
+    before it can mask the logits for token N+1, and that mask is built on the
+    host. While such a request has a token in flight, the engine waits for the
     step in flight before it schedules the next one (AsyncScheduler.must_sync)."""
-    return False
+    return params.structured_outputs is not None
 
 
 class AsyncScheduler(Scheduler):
@@ -76,6 +77,8 @@ class AsyncScheduler(Scheduler):
             step.ends[item.req_id] = seq.num_computed_tokens
         if out.scheduled:
             self.in_flight.append(step)
+        else:  # no step takes the finished ids to the model runner: the next one will
+            self.finished_req_ids = out.finished_req_ids + self.finished_req_ids
         return out
 
     def _num_new_tokens(self, seq: Sequence) -> int:
@@ -131,10 +134,13 @@ class AsyncScheduler(Scheduler):
 
     def _place_token(self, seq: Sequence, index: int, token: int) -> FinishReason | None:
         """Put the token where its placeholder stands, and judge it as the newest
-        token: a placeholder after it belongs to a step that has sampled nothing yet."""
+        token: a placeholder after it belongs to a step that has sampled nothing yet.
+        A grammar accepts it as the base's does (such a request has none ahead)."""
         ahead = seq.token_ids[index + 1 :]
         del seq.token_ids[index:]
         seq.token_ids.append(token)
+        if seq.structured_output is not None:
+            seq.structured_output.accept(token)
         reason = self._stop_reason(seq, token)
         if reason is None:
             seq.token_ids += ahead

@@ -17,7 +17,7 @@ import time
 import torch
 
 from engine import csrc
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, for_decodes
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import reference
 from engine.kv.kv_cache import PagedKV
@@ -51,7 +51,7 @@ def decode_only_metadata(tables: torch.Tensor, lens: list[int]) -> AttentionMeta
         torch.zeros(len(lens), dtype=torch.long),
         torch.tensor(lens, dtype=torch.int32),
     )
-    return AttentionMetadata.for_decodes(slots, tables, context_lens, lens)
+    return for_decodes(slots, tables, context_lens, lens)
 
 
 def one_row(shape, batch: int, dtype: torch.dtype, repeats: int) -> tuple[float, float, float]:

@@ -3,7 +3,8 @@ N's forward pass runs, and nothing a caller sees changes. Tokens equal
 transformers' greedy ones and the synchronous engine's seeded ones under every
 scheduling regime; late finishes waste exactly one token each and lose
 nothing; length finishes waste none; the forward really runs while the next
-step is scheduled; and the structured-output hook makes the engine wait."""
+step is scheduled; the structured-output hook makes the engine wait; and a
+finished request's id reaches the model runner even when no step follows."""
 
 from __future__ import annotations
 
@@ -242,3 +243,19 @@ def test_a_reply_is_published_for_the_next_turn_as_without_overlap(qwen3) -> Non
     # generated token, which no step fed back.
     computed = len(first) + 14 - 1
     assert found == [computed // 4 * 4] * 2
+
+
+def test_a_finished_id_waits_for_a_step_to_carry_it_to_the_model_runner(qwen3) -> None:
+    """A request finishes late while the other's last token is in flight: the
+    next schedule finds nothing to run, and keeps the finished id for the next
+    step, so the model runner still forgets the request and frees its slot."""
+    prompt = random_prompts(1, seed=70)[0]
+    tokens = run(qwen3[0], False, [prompt], greedy(6, ignore_eos=True))[0][0].token_ids
+    stop = greedy(20, stop_token_ids=[tokens[2]], ignore_eos=True)
+    llm = LLM(qwen3[0], dtype="float32", async_scheduling=True, max_num_seqs=2)
+    runner = llm.llm_engine.executor.model_runner
+    for _ in range(3):  # a slot lost per call would leave none for the third
+        outs = llm.generate([prompt, prompt], [stop, greedy(4, ignore_eos=True)], use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == [tokens.index(tokens[2]) + 1, 4]
+        assert llm.stats.discarded_tokens > 0  # the first one finished late
+        assert len(runner.future.slots) <= 2 and len(runner.requests) <= 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, for_decodes
 from engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
 from tests.conftest import ROOT
 from tests.engine.conftest import random_prompts
@@ -64,12 +64,12 @@ def test_no_module_flips_kernels_on_the_layers() -> None:
 def test_the_warm_up_constructor_builds_a_step_of_single_token_decodes() -> None:
     tables = torch.tensor([[0, 1], [2, -1], [3, -1]], dtype=torch.int32)
     lens = [20, 5, 1]
-    meta = AttentionMetadata.for_decodes(
+    meta = for_decodes(
         torch.tensor([19, 36, 48]), tables, torch.tensor(lens, dtype=torch.int32), lens
     )
     assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3]
     assert meta.num_decodes == 3 and meta.query_lens_cpu == [1, 1, 1]
     assert meta.context_lens_cpu == lens and meta.decodes_only()
     static = torch.arange(4, dtype=torch.int32)
-    kept = AttentionMetadata.for_decodes(meta.slot_mapping, tables, meta.context_lens, lens, static)
+    kept = for_decodes(meta.slot_mapping, tables, meta.context_lens, lens, static)
     assert kept.cu_seqlens_q is static  # a CUDA graph's buffer stays the one it captured

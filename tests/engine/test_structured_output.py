@@ -177,12 +177,3 @@ def test_matcher_rebuilds_and_checks_drafts_without_moving(tight) -> None:
     assert torch.equal(masks[0], masks[1])
     assert fresh.validate_tokens(tokens[3:]) == len(tokens) - 3
     assert fresh.num_accepted == 3 and fresh.validate_tokens([tokens[0]] * 2) < 2
-
-
-def test_async_scheduling_refuses_structured_output_clearly() -> None:
-    """A mask needs the previous token, which a step scheduled ahead has not got."""
-    engine = LLM(TINY, dtype="float32", num_kv_blocks=16, async_scheduling=True).llm_engine
-    spec = StructuredOutputsParams(regex=REGEX)
-    with pytest.raises(ValueError, match="structured output needs async_scheduling=False"):
-        engine.add_request("r", "The KV cache", SamplingParams(structured_outputs=spec))
-    assert "r" not in engine.requests
