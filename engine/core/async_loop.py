@@ -91,6 +91,8 @@ class AsyncLoop:
         """The step's grammar masks, as LLMEngine.step fills them, from each
         grammar request's tokens less the placeholder this step just gave it."""
         requests = self.scheduler.requests
+        if all(requests[i.req_id].structured_output is None for i in scheduler_output.scheduled):
+            return  # most steps: no grammar, nothing to mask
         holders = {
             item.req_id: settled(requests[item.req_id]) for item in scheduler_output.scheduled
         }
