@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class SequenceStatus(Enum):
     WAITING = auto()  # queued, or preempted and queued again
     RUNNING = auto()  # holds cache blocks and is scheduled every step
+    WAITING_FOR_KV = auto()  # holds cache blocks an outside source is loading (kv/connector.py)
     FINISHED = auto()
 
 

@@ -158,7 +158,7 @@ class LLMEngine:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
-            raise RuntimeError("requests are waiting but none could be scheduled")
+            return self._idle()  # KV loads in flight, or nothing can ever run
         self.structured_output.fill_bitmask(scheduler_output, self.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -166,6 +166,14 @@ class LLMEngine:
         self.scheduler.finish_requests(processed.reqs_to_abort, FinishReason.STOP)  # stop strings
         self.stats.step_seconds += time.perf_counter() - start
         return processed.request_outputs
+
+    def _idle(self) -> list[RequestOutput]:
+        """A step that schedules nothing: fine while an outside source is still
+        loading some request's KV (the scheduler holds it, WAITING_FOR_KV), an
+        error otherwise, since the step after would schedule nothing either."""
+        if self.scheduler.loading:
+            return []
+        raise RuntimeError("requests are waiting but none could be scheduled")
 
     def shutdown(self) -> None:
         """Stop the executor's workers, if it has any. Idempotent."""

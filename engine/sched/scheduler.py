@@ -11,6 +11,10 @@ A decoding sequence may also carry drafts, a proposer's guesses of the tokens
 after its newest one (DraftProposer): the step computes them too, and the
 sequence keeps those the model agrees with, plus the token it samples after
 the last of them (update_from_output).
+
+A connector (kv/connector.py) may hold some of a request's blocks outside the
+engine: the scheduler counts them as computed once they are loaded, and keeps a
+finished request's blocks while the connector saves them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Protocol
 from engine.attention.metadata import decode_query_len
 from engine.core.stats import EngineStats
 from engine.kv.block_manager import BlockManager
+from engine.kv.connector import KVConnector, NoConnector
 from engine.outputs import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -62,6 +67,7 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         max_model_len: int | None = None,
         proposer: DraftProposer | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -70,13 +76,22 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.proposer: DraftProposer = proposer or NoDrafts()
+        self.connector: KVConnector = connector or NoConnector()
         self.requests: dict[str, Sequence] = {}  # every unfinished one, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order, oldest first
         self.finished_req_ids: list[str] = []  # since the last step, for the model runner
+        # Blocks an outside source fills or reads (kv/connector.py), by request id:
+        # loads in flight (with the tokens computed once they are done), and the
+        # finished requests whose blocks the connector is still saving.
+        self.loading: dict[str, tuple[Sequence, int]] = {}
+        self.saving: dict[str, Sequence] = {}
+        self._unsent = SchedulerOutput()  # what an output that ran no step could not say
         self._event_index = count()
 
     def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.loading or seq.request_id in self.saving:
+            raise ValueError(f"request id {seq.request_id!r} still holds blocks of a connector")
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
         self._record(seq, EngineCoreEventType.QUEUED)
@@ -88,7 +103,7 @@ class Scheduler:
         seq.events.append(event)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
@@ -117,14 +132,17 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not out.preempted_req_ids
-            and len(self.running) < self.max_num_seqs
+            and len(self.running) + len(self.loading) < self.max_num_seqs
         ):
-            scheduled = self._admit(self.waiting[0], budget, out)
-            if scheduled is None:
+            seq = self.waiting[0]
+            scheduled = self._admit(seq, budget, out)
+            if scheduled is None and seq.status is SequenceStatus.WAITING:
                 break  # first come, first served: nobody overtakes the head
-            self.waiting.popleft()
-            out.scheduled.append(scheduled)
-            budget -= scheduled.num_new_tokens
+            self.waiting.popleft()  # admitted: to run, or to wait for its KV (_load)
+            if scheduled is not None:
+                out.scheduled.append(scheduled)
+                budget -= scheduled.num_new_tokens
+        self._hand_on(out)
         self._count(out)
         return out
 
@@ -154,25 +172,106 @@ class Scheduler:
         return list(drafts[: max(room, 0)])
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
-        """Start (or resume) a waiting sequence, reusing any cached prefix blocks."""
+        """Start (or resume) a waiting sequence, reusing any cached prefix blocks,
+        and the blocks after them that a connector holds (kv/connector.py). None
+        if it cannot start, or if those blocks load in the background: then it
+        holds its blocks in WAITING_FOR_KV, scheduled for nothing (_load)."""
         bm = self.block_manager
         hits = bm.match_prefix(seq.token_ids)
         num_cached = len(hits) * bm.block_size
-        n = min(seq.num_tokens - num_cached, budget)
-        if not bm.can_admit(hits, num_cached + n):
+        num_external, load_async = self._num_external_tokens(seq, num_cached)
+        n = 0 if load_async else min(seq.num_tokens - num_cached - num_external, budget)
+        if not bm.can_admit(hits, num_cached + num_external + n):
             return None
         bm.take_cached(seq, hits)
-        bm.allocate(seq, num_cached + n)  # cannot fail: can_admit checked it
-        self._publish(seq, n)
+        bm.allocate(seq, num_cached + num_external + n)  # cannot fail: can_admit checked it
+        self._load(seq, num_external, load_async)
         self.stats.prefix_cache_hit_tokens += num_cached
         if seq.num_preemptions == 0:  # its first admission: new to the model runner
-            seq.num_cached_prompt_tokens = num_cached
+            seq.num_cached_prompt_tokens = num_cached + num_external
             new = NewRequestData(seq.request_id, seq.params, seq.seed, seq.num_prompt_tokens)
             out.new_requests.append(new)
+        if load_async:
+            return None
+        self._publish(seq, n)
         seq.status = SequenceStatus.RUNNING
         insort(self.running, seq, key=lambda s: s.seq_id)
-        self._record(seq, EngineCoreEventType.SCHEDULED, num_cached)
+        self._record(seq, EngineCoreEventType.SCHEDULED, num_cached + num_external)
         return self._scheduled(seq, n)
+
+    def _num_external_tokens(self, seq: Sequence, num_cached: int) -> tuple[int, bool]:
+        """The connector's tokens for ``seq`` past its ``num_cached`` cached ones,
+        checked: whole blocks, short of the last token, which the model must run."""
+        num_external, load_async = self.connector.num_external_tokens(seq, num_cached)
+        end = num_cached + num_external
+        if (
+            num_external < 0
+            or num_external % self.block_manager.block_size
+            or end >= seq.num_tokens
+        ):
+            raise ValueError(
+                f"the connector offers tokens {num_cached}..{end} of {seq.request_id!r}, "
+                f"which has {seq.num_tokens}: whole blocks before the last token only"
+            )
+        return num_external, load_async and num_external > 0
+
+    def _load(self, seq: Sequence, num_external: int, load_async: bool) -> None:
+        """Tell the connector which blocks were allocated for its tokens, so that
+        its worker side fills them: before this step's forward pass (the tokens
+        count as computed now), or in the background, while ``seq`` waits in
+        WAITING_FOR_KV, holding its blocks, until kv_loaded reports them done."""
+        if num_external == 0:
+            return
+        bs = self.block_manager.block_size
+        first = seq.num_computed_tokens // bs  # the blocks after the cached ones
+        block_ids = seq.block_table[first : first + num_external // bs]
+        self.connector.after_allocation(seq, block_ids, num_external)
+        if load_async:
+            seq.status = SequenceStatus.WAITING_FOR_KV
+            self.loading[seq.request_id] = (seq, seq.num_computed_tokens + num_external)
+        else:
+            seq.num_computed_tokens += num_external
+
+    def kv_loaded(self, req_ids: Collection[str]) -> None:
+        """The connector's loads for these requests are done. Each counts its
+        loaded tokens as computed, offers its full prompt blocks to the prefix
+        cache, and runs from the next step on, as a request whose prefix was cached
+        would. One that finished while loading frees its blocks now (_release)."""
+        for req_id in req_ids:
+            if req_id not in self.loading:
+                continue  # not loading, or reported twice
+            seq, num_loaded = self.loading.pop(req_id)
+            if seq.is_finished:
+                self._release(seq)
+                continue
+            seq.num_computed_tokens = num_loaded
+            self._publish(seq, 0)
+            seq.status = SequenceStatus.RUNNING
+            insort(self.running, seq, key=lambda s: s.seq_id)
+            self._record(seq, EngineCoreEventType.SCHEDULED, num_loaded)
+
+    def finish_saving(self, req_ids: Collection[str]) -> None:
+        """The connector has saved these finished requests' blocks: free them."""
+        for req_id in req_ids:
+            if (seq := self.saving.pop(req_id, None)) is not None:
+                self._release(seq)
+
+    def _hand_on(self, out: SchedulerOutput) -> None:
+        """An output that schedules nothing (every request left waits for its
+        KV) runs no step, so the model runner never reads it: its new requests
+        and its preempted and finished ids go with the next output that does."""
+        held = self._unsent
+        out.new_requests[:0] = held.new_requests
+        out.preempted_req_ids[:0] = held.preempted_req_ids
+        out.finished_req_ids[:0] = held.finished_req_ids
+        self._unsent = SchedulerOutput()
+        if not out.scheduled:
+            self._unsent = SchedulerOutput(
+                new_requests=out.new_requests,
+                preempted_req_ids=out.preempted_req_ids,
+                finished_req_ids=out.finished_req_ids,
+            )
+            out.new_requests, out.preempted_req_ids, out.finished_req_ids = [], [], []
 
     def _publish(self, seq: Sequence, n: int) -> None:
         """Offer the prompt blocks this step will fill to the prefix cache now, not
@@ -315,16 +414,27 @@ class Scheduler:
                 self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq``; its blocks are freed unless a connector still uses them."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        else:
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if self.connector.request_finished(seq, list(seq.block_table)):
+            self.saving[seq.request_id] = seq
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._release(seq)
         del self.requests[seq.request_id]
         self.finished_req_ids.append(seq.request_id)
+        unsent = self._unsent.new_requests  # never told to the runner: no need now
+        self._unsent.new_requests = [new for new in unsent if new.req_id != seq.request_id]
         self.stats.finished_requests += reason != FinishReason.ABORT
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a finished request's blocks once no connector uses them: no load
+        still writing them (kv_loaded), no save still reading them (finish_saving)."""
+        if seq.request_id not in self.loading and seq.request_id not in self.saving:
+            self.block_manager.free(seq)
 
     def _count(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
