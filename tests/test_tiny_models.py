@@ -198,10 +198,11 @@ def test_moe_mtp_module_matches_its_float64_reference() -> None:
     from transformers import AutoConfig
 
     from tests.engine import deepseek_reference as ref
-    from tests.engine.test_mtp import run, step_meta
+    from tests.engine.test_mtp import bind_mtp_caches, run, step_meta
 
     folder = MODELS / MOE
     llm = LLM(folder, dtype="float32", block_size=16, num_kv_blocks=8)
+    bind_mtp_caches(llm)  # the MTP module gets blocks only from something that drafts
     runner, tok = llm.llm_engine.executor.model_runner, llm.tokenizer
     model = runner.model
     ids = torch.tensor(tok.encode("def schedule(self) -> SchedulerOutput:\n    budget =").ids)

@@ -39,6 +39,14 @@ def run(runner, meta: AttentionMetadata, fn):
         return fn()
 
 
+def bind_mtp_caches(llm: LLM) -> None:
+    """Give the MTP modules blocks, as something that drafts with them would: a
+    pool over the main layers and the MTP modules' together."""
+    runner = llm.llm_engine.executor.model_runner
+    layers = runner.model.attention_layers() + runner.model.mtp_attention_layers()
+    runner.kv_cache = KVCachePool(llm.llm_engine.config, layers, runner.device)
+
+
 def test_mtp_matches_float64_reference(tmp_path) -> None:
     hf = build_checkpoint("deepseek", tmp_path)
     cfg = hf.config
@@ -47,10 +55,8 @@ def test_mtp_matches_float64_reference(tmp_path) -> None:
     runner = llm.llm_engine.executor.model_runner
     model = runner.model
     assert len(model.model.mtp) == cfg.num_nextn_predict_layers == 1
-    mtp = model.mtp_attention_layers()
-    assert all(layer.kv_cache is None for layer in mtp)  # no blocks until something drafts
-    config = llm.llm_engine.config
-    runner.kv_cache = KVCachePool(config, model.attention_layers() + mtp, runner.device)
+    assert all(layer.kv_cache is None for layer in model.mtp_attention_layers())
+    bind_mtp_caches(llm)  # no blocks until something drafts: this test does
     ids = torch.tensor(random_prompts(1, seed=41, low=40, high=41)[0])
     t = len(ids)
     pos = torch.arange(t)
