@@ -4,8 +4,12 @@ the forward pass needs, read as transformers reads them."""
 from __future__ import annotations
 
 import json
+import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 # Architectures the engine can run, by the name config.json gives them.
 SUPPORTED_ARCHITECTURES = (
@@ -102,7 +106,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(path, raw),
             mla=_mla(raw) if deepseek else None,
             moe=_moe(raw) if deepseek else None,
-            num_mtp_layers=raw.get("num_nextn_predict_layers", 0) if deepseek else 0,
+            num_mtp_layers=_mtp_layers(path, raw) if deepseek else 0,
         )
 
 
@@ -196,3 +200,36 @@ def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def _mtp_layers(path: Path, raw: dict) -> int:
+    """The MTP modules the checkpoint holds. transformers' DeepseekV3Config says
+    num_nextn_predict_layers=1 by default, but its model saves no MTP weights: a
+    checkpoint saved by transformers is served without MTP, and the log says so."""
+    wanted = raw.get("num_nextn_predict_layers", 0)
+    if wanted == 0:
+        return 0
+    first = f"model.layers.{raw['num_hidden_layers']}."
+    if any(name.startswith(first) for name in tensor_names(path)):
+        return wanted
+    logger.warning(
+        "DeepInfer: %s declares %d MTP layer(s) but holds no MTP weights (as transformers "
+        "saves DeepSeek-V3); serving it without MTP",
+        path,
+        wanted,
+    )
+    return 0
+
+
+def tensor_names(path: Path) -> list[str]:
+    """Every tensor name in a checkpoint folder, from the safetensors index or the
+    files' headers (8 bytes of header length, then JSON), reading no tensor."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            names += [n for n in json.loads(f.read(size)) if n != "__metadata__"]
+    return names

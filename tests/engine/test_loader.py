@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
@@ -60,3 +61,27 @@ def test_token_ids_work_without_a_tokenizer(qwen3, tmp_path) -> None:
     assert out.text == "" and out.finish_reason == "length"
     with pytest.raises(ValueError, match="no tokenizer.json; pass token ids"):
         llm.generate("hello", use_tqdm=False)
+
+
+def test_a_deepseek_checkpoint_as_transformers_saves_it_loads_without_mtp(tmp_path, caplog) -> None:
+    """transformers' DeepseekV3Config declares one MTP layer by default and its model
+    saves none: the engine serves the checkpoint without MTP, says so once, and
+    decodes transformers' greedy tokens."""
+    import logging
+
+    from tests.engine.conftest import build_tokenizer, hf_config, hf_greedy, hf_model_class
+
+    torch.manual_seed(0)
+    cfg = hf_config("deepseek")
+    cfg.num_nextn_predict_layers = 1  # transformers' default, whatever the file says
+    model = hf_model_class("deepseek")(cfg).eval()
+    model.save_pretrained(tmp_path)  # exactly as save_pretrained writes it: no MTP tensors
+    build_tokenizer(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    with caplog.at_level(logging.WARNING, logger="engine.models.config"):
+        llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=16)
+    assert [r for r in caplog.records if "without MTP" in r.getMessage()]
+    assert llm.llm_engine.config.hf_config.num_mtp_layers == 0
+    prompt = [5, 17, 99, 3, 42, 8, 61]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(model, prompt, 6)
