@@ -1,7 +1,7 @@
 """`deepinfer serve MODEL`: an OpenAI-compatible HTTP server over one engine.
 
     POST /v1/completions, /v1/chat/completions   (stream: true for server-sent events)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{id}, /health, /metrics
 
 Every error is OpenAI's error object: a bad request is a 400 that says what is
 wrong, an engine failure a 500 with the request's id, and the server goes on.
@@ -84,6 +84,11 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=n, max_model_len=llm.max_model_len) for n in names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return ModelCard(id=model_id, max_model_len=llm.max_model_len)
 
     @app.get("/health")
     async def health() -> Response:

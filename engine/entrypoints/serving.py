@@ -104,19 +104,25 @@ class OpenAIServing:
 
     def check_model(self, name: str) -> None:
         if name not in self.model_names:
-            raise OpenAIError(
-                400,
+            raise OpenAIError(  # OpenAI's status: the client raises NotFoundError
+                404,
                 f"the model {name!r} does not exist; this server serves "
                 + ", ".join(repr(n) for n in self.model_names),
                 param="model",
                 code="model_not_found",
             )
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, list):
             return prompt
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer; send token ids", "prompt")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # valid JSON ("\ud800"), but no text
+            raise bad_request(
+                f"{param}: a lone surrogate is not valid Unicode text", param
+            ) from None
         return self.tokenizer.encode(prompt).ids
 
     def job(
@@ -311,7 +317,9 @@ class OpenAIServing:
             raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        job = self.job("chatcmpl", request_id, [self.tokenize(text)], req, max_tokens, logprobs)
+        job = self.job(
+            "chatcmpl", request_id, [self.tokenize(text, "messages")], req, max_tokens, logprobs
+        )
         outputs = self.start(job)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

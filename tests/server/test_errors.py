@@ -30,7 +30,6 @@ def assert_openai_error(reply: httpx.Response, status: int, needle: str = "") ->
 
 
 BAD_COMPLETIONS = [
-    ({**GOOD, "model": "gpt-4o"}, "does not exist"),
     ({**GOOD, "max_tokens": -5}, "max_tokens"),
     ({**GOOD, "max_tokens": 0}, "max_tokens"),
     ({**GOOD, "prompt": {"text": "hi"}}, "prompt"),
@@ -69,6 +68,30 @@ def test_bad_completion_is_a_400(server, body, needle) -> None:
 def test_bad_chat_is_a_400(server, body, needle) -> None:
     reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(), timeout=30)
     assert_openai_error(reply, 400, needle)
+
+
+def test_an_unknown_model_is_a_404_as_in_openai(server) -> None:
+    reply = httpx.post(
+        server.url + "/v1/completions", json={**GOOD, "model": "gpt-4o"}, headers=auth()
+    )
+    assert assert_openai_error(reply, 404, "does not exist")["code"] == "model_not_found"
+    assert_openai_error(httpx.get(server.url + "/v1/models/gpt-4o", headers=auth()), 404)
+    card = httpx.get(server.url + f"/v1/models/{MODEL}", headers=auth()).json()
+    assert card["id"] == MODEL and card["object"] == "model"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_lone_surrogate_is_a_400_and_the_connection_lives_on(server, path) -> None:
+    """ "\ud800" is valid JSON but no text: the tokenizer cannot take it."""
+    if path == "/v1/completions":
+        body = {**GOOD, "prompt": "a\ud800b"}
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}
+    raw = json.dumps(body).encode()  # ASCII, with the escape as a client sends it
+    headers = {**auth(), "content-type": "application/json"}
+    with httpx.Client(timeout=30) as conn:  # one connection, kept alive across both
+        assert_openai_error(conn.post(server.url + path, content=raw, headers=headers), 400)
+        assert conn.post(server.url + "/v1/completions", json=GOOD, headers=auth()).is_success
 
 
 def test_not_json_is_a_400_and_unknown_paths_are_404s(server) -> None:

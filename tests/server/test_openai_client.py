@@ -158,8 +158,11 @@ def test_a_wrong_api_key_is_refused(server) -> None:
 
 
 def test_bad_requests_are_400s_the_client_understands(client) -> None:
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4o", prompt="hi")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
