@@ -33,12 +33,16 @@ class StructuredOutputsParams:
             raise ValueError("choice must be a non-empty list of non-empty strings")
 
 
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy, as in vLLM
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, with the same names and meanings as vLLM's.
 
-    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 switch those filters
-    off; min_p 0 does too. A request with a seed draws its tokens from its own
+    temperature 0 means greedy, as does any below SAMPLING_EPS (vLLM's rule):
+    dividing logits by a temperature near zero overflows. top_k 0 (or -1) and
+    top_p 1 switch those filters off; min_p 0 does too. A request with a seed draws its tokens from its own
     random stream, so its output does not depend on what else is in the batch.
     """
 
@@ -74,4 +78,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 MAX_N = 16  # choices per request: each is one engine request
 MAX_STOP = 4  # stop strings, as OpenAI allows
@@ -21,6 +21,30 @@ MAX_STOP = 4  # stop strings, as OpenAI allows
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's structured_outputs extension: one constraint on the output."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -37,10 +61,29 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0, ge=0, le=0, description="not supported: must be 0")
     frequency_penalty: float = Field(0, ge=0, le=0, description="not supported: must be 0")
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
+    tools: list[dict] | None = Field(None, max_length=0, description="not supported")
+    tool_choice: Literal["none"] | None = Field(None, description="not supported beyond none")
     # Extensions, with vLLM's names.
     top_k: int = Field(0, ge=-1, description="0 or -1: off")
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    min_tokens: int = Field(0, ge=0, le=0, description="not supported: must be 0")
+    repetition_penalty: float = Field(1.0, ge=1, le=1, description="not supported: must be 1")
+    include_stop_str_in_output: Literal[False] = Field(False, description="not supported")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -78,6 +121,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM's extension
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
 
 
 # ------------------------------------------------------------------ responses

@@ -37,7 +37,7 @@ from engine.entrypoints.protocol import (
     Usage,
 )
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -84,10 +84,56 @@ def finish_reason(out: RequestOutput) -> str | None:
     return "length" if out.finish_reason == "length" else "stop"
 
 
-def sse(chunk: BaseModel | dict) -> str:
-    """One server-sent event."""
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The one constraint a request puts on its output, from OpenAI's response_format
+    or vLLM's structured_outputs or guided_* fields; a 400 for more than one."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", StructuredOutputsParams(json_object=True)))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request(
+                "response_format json_schema needs its json_schema", "response_format"
+            )
+        found.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.schema_)))
+    if (so := req.structured_outputs) is not None:
+        kinds = dict(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar)
+        try:
+            params = StructuredOutputsParams(
+                **kinds, disable_any_whitespace=so.disable_any_whitespace
+            )
+        except ValueError as err:
+            raise bad_request(str(err), "structured_outputs") from None
+        found.append(("structured_outputs", params))
+    guided = dict(
+        json=req.guided_json,
+        regex=req.guided_regex,
+        choice=req.guided_choice,
+        grammar=req.guided_grammar,
+    )
+    for kind, value in guided.items():
+        if value is not None:
+            try:
+                found.append((f"guided_{kind}", StructuredOutputsParams(**{kind: value})))
+            except ValueError as err:
+                raise bad_request(str(err), f"guided_{kind}") from None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"only one output constraint at a time, got {names}", found[1][0])
+    return found[0][1] if found else None
+
+
+def sse(chunk: BaseModel | dict, null_usage: bool = False) -> str:
+    """One server-sent event. With ``null_usage`` (stream_options.include_usage),
+    a chunk without usage says "usage": null, as OpenAI's do."""
     if isinstance(chunk, BaseModel):
-        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        if not (null_usage and "usage" in type(chunk).model_fields):
+            return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        data = {**chunk.model_dump(mode="json", exclude_none=True), "usage": None}
+        if chunk.usage is not None:
+            data["usage"] = chunk.usage.model_dump(mode="json", exclude_none=True)
+        return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
     return f"data: {json.dumps(chunk)}\n\n"
 
 
@@ -140,6 +186,7 @@ class OpenAIServing:
         # Choice i draws with seed + i. Without a seed, a random one: the engine's
         # default would give every choice the same draws.
         seed = req.seed if req.seed is not None else _random.getrandbits(62)
+        structured = structured_outputs(req)
         for p, ids in enumerate(prompts):
             if len(ids) >= limit:
                 raise bad_request(
@@ -167,6 +214,8 @@ class OpenAIServing:
                         ignore_eos=req.ignore_eos,
                         seed=seed + i,
                         logprobs=logprobs,
+                        stop_token_ids=list(req.stop_token_ids or []),
+                        structured_outputs=structured,
                     )
                 except ValueError as err:
                     raise bad_request(str(err)) from err
@@ -187,13 +236,18 @@ class OpenAIServing:
             choice.last = out
             yield choice, out
 
-    def stream(self, job: Job, chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
-        return StreamingResponse(self._events(job, chunks), media_type="text/event-stream")
+    def stream(
+        self, job: Job, chunks: AsyncIterator[BaseModel], usage: bool = False
+    ) -> StreamingResponse:
+        events = self._events(job, chunks, usage)
+        return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    async def _events(
+        self, job: Job, chunks: AsyncIterator[BaseModel], usage: bool
+    ) -> AsyncIterator[str]:
         try:
             async for event in chunks:
-                yield sse(event)
+                yield sse(event, null_usage=usage)
         except OpenAIError as err:  # the status is sent already: say it in the stream
             err.request_id = job.request_id
             logger.error("request %s: %s", job.request_id, err.message)
@@ -257,7 +311,7 @@ class OpenAIServing:
         outputs = self.start(job)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return self.stream(job, self._completion_chunks(job, req, outputs, usage))
+            return self.stream(job, self._completion_chunks(job, req, outputs, usage), usage)
         return await self._completion(job, req, outputs)
 
     async def _completion_chunks(
@@ -323,7 +377,7 @@ class OpenAIServing:
         outputs = self.start(job)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return self.stream(job, self._chat_chunks(job, req, outputs, usage))
+            return self.stream(job, self._chat_chunks(job, req, outputs, usage), usage)
         return await self._chat(job, req, outputs)
 
     def _chunk(self, job: Job, req: ChatCompletionRequest, **kw) -> ChatCompletionChunk:

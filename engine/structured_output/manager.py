@@ -43,8 +43,15 @@ class StructuredOutputManager:
         self._compiler: Any = None
 
     def request_for(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """A fresh matcher for a new request; ValueError if the spec does not compile."""
-        return StructuredOutputRequest(self.compile(params))
+        """A fresh matcher for a new request; ValueError if the spec does not
+        compile, or allows no first token at all (an empty grammar, a schema no
+        value meets): sampling under an empty mask would pick a token it forbids."""
+        request = StructuredOutputRequest(self.compile(params))
+        mask = self.empty_bitmask(1)
+        request.fill_bitmask(mask, 0)
+        if not mask.any():
+            raise ValueError("the output constraint allows no token at all: nothing can follow")
+        return request
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params``, compiled on its first use only."""

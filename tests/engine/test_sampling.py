@@ -304,3 +304,13 @@ def test_the_sampler_runs_the_same_operations_for_any_batch_size() -> None:
 
     ops(4)  # fill the sampler's per-vocabulary cache of token hashes first
     assert ops(4) == ops(64)
+
+
+def test_a_temperature_near_zero_is_greedy_not_an_overflow() -> None:
+    """Logits over a subnormal temperature are infinities, whose softmax is NaN;
+    the fuzzer's 2.2e-309 made a grammar request sample a token its mask forbade."""
+    from engine.sampling_params import SAMPLING_EPS, SamplingParams
+
+    assert SamplingParams(temperature=2.2e-309).greedy
+    assert SamplingParams(temperature=SAMPLING_EPS / 2).greedy
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy

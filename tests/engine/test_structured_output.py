@@ -177,3 +177,16 @@ def test_matcher_rebuilds_and_checks_drafts_without_moving(tight) -> None:
     assert torch.equal(masks[0], masks[1])
     assert fresh.validate_tokens(tokens[3:]) == len(tokens) - 3
     assert fresh.num_accepted == 3 and fresh.validate_tokens([tokens[0]] * 2) < 2
+
+
+def test_a_constraint_that_allows_no_first_token_is_refused() -> None:
+    """Sampling under an empty mask would pick a token the grammar forbids. A
+    regex that matches only the empty string allows nothing but a stop token,
+    and a model without one then allows nothing at all."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ROOT / "snippets/models/deepinfer-tiny/tokenizer.json"))
+    empty = StructuredOutputsParams(regex="")
+    with pytest.raises(ValueError, match="allows no token"):
+        StructuredOutputManager(tok, 4096, eos_token_ids=[]).request_for(empty)
+    StructuredOutputManager(tok, 4096, eos_token_ids=[0]).request_for(empty)  # may stop at once

@@ -112,3 +112,29 @@ def test_the_preemption_counter_equals_the_engines_count(served: tuple[str, Fast
     assert engine.stats.preemptions - before >= 2  # several, with steps between them
     assert metric(url, "deepinfer:num_preemptions_total") == engine.stats.preemptions
     assert metric(url, "deepinfer:num_requests_running") == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_with_include_usage_every_other_chunk_says_usage_null(
+    served: tuple[str, FastAPI], path: str
+) -> None:
+    """As OpenAI's streams do; without include_usage no chunk has the field."""
+    url, _ = served
+    body = {"model": "deepinfer-tiny", "max_tokens": 3, "stream": True}
+    if path == "/v1/completions":
+        body["prompt"] = "def free(self"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    for include in (True, False):
+        events = []
+        asked = body | {"stream_options": {"include_usage": True}} if include else body
+        with httpx.stream("POST", url + path, json=asked, timeout=120) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line.removeprefix("data: ")))
+        if include:
+            assert all("usage" in e and e["usage"] is None for e in events[:-1]), events
+            assert events[-1]["usage"]["completion_tokens"] == 3
+        else:
+            assert not any("usage" in e for e in events), events
