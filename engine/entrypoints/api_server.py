@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from engine.config import EngineConfig
+from engine.entrypoints import logs
 from engine.entrypoints.async_llm import AsyncLLM
 from engine.entrypoints.chat_template import load_chat_template
 from engine.entrypoints.errors import OpenAIError
@@ -165,6 +166,6 @@ def invalid_request(problems: list[dict]) -> OpenAIError:
 def run_server(config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
     import uvicorn
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(log_level)
     app = build_app(config)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -28,6 +28,7 @@ from prometheus_client import (
 )
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from engine.entrypoints import logs
 from engine.entrypoints.chat_template import ChatTemplate, load_chat_template
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.middleware import BodyLimit
@@ -251,5 +252,5 @@ def build_router(config: RouterConfig) -> FastAPI:
 def run_router(config: RouterConfig, host: str, port: int, log_level: str = "info") -> None:
     import uvicorn
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(log_level)
     uvicorn.run(build_router(config), host=host, port=port, log_level=log_level)

@@ -19,6 +19,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 def _edition_check(args: argparse.Namespace) -> int:
@@ -56,11 +60,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine `deepinfer serve` runs. With --batch-invariant, a request's greedy
+    tokens do not depend on what else is in the batch; the compiled decode, whose
+    kernels are not batch-invariant, stays off unless asked for."""
     from engine.config import EngineConfig
-    from engine.entrypoints.api_server import ServerConfig, run_server
 
-    engine = EngineConfig(
+    compile_decode = args.compile_decode
+    if args.batch_invariant and compile_decode is None:
+        compile_decode = False
+    return EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -71,10 +80,16 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
-        compile_decode=args.compile_decode,
+        compile_decode=compile_decode,
+        batch_invariant=args.batch_invariant,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from engine.entrypoints.api_server import ServerConfig, run_server
+
     config = ServerConfig(
-        engine,
+        serve_engine_config(args),
         served_model_names=args.served_model_name or [],
         api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY") or None,
         max_waiting=args.max_waiting,
@@ -241,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=8192)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's greedy tokens do not depend on the rest of the batch (slower)",
+    )
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)

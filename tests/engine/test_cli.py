@@ -115,3 +115,17 @@ def test_generate_with_expert_parallelism_and_eplb(deepseek) -> None:
         prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
     )
     assert proc.stdout == prompt + expected[0].text + "\n"
+
+
+def test_serve_can_be_batch_invariant(qwen3) -> None:
+    """`deepinfer serve --batch-invariant` runs the engine's batch-invariant mode,
+    and leaves the compiled decode off unless asked for."""
+    from engine.tools.cli import build_parser, serve_engine_config
+
+    parse = build_parser().parse_args
+    plain = serve_engine_config(parse(["serve", str(qwen3[0]), "--dtype", "float32"]))
+    assert not plain.batch_invariant and plain.compile_decode is None
+    args = parse(["serve", str(qwen3[0]), "--dtype", "float32", "--batch-invariant"])
+    invariant = serve_engine_config(args)
+    assert invariant.batch_invariant and invariant.compile_decode is False
+    assert invariant.attention_backend == "torch"  # its split-KV path

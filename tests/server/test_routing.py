@@ -80,3 +80,29 @@ def test_round_robin_takes_turns_among_the_healthy() -> None:
     ]
     workers[1].healthy = False
     assert all(rr.candidates(None)[0] is not workers[1] for _ in range(4))
+
+
+def test_health_probes_are_not_logged_but_other_requests_are() -> None:
+    """The router probes every worker every few seconds: neither side logs a line
+    for each probe (httpx's request log, uvicorn's access log)."""
+    import logging
+    import subprocess
+    import sys
+
+    from engine.entrypoints.logs import QuietProbes
+
+    def line(path: str) -> logging.LogRecord:
+        args = ("127.0.0.1:5", "GET", path, "1.1", 200)
+        fmt = '%s - "%s %s HTTP/%s" %d'
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, fmt, args, None)
+
+    quiet = QuietProbes()
+    assert not quiet.filter(line("/health"))
+    assert quiet.filter(line("/v1/completions")) and quiet.filter(line("/healthz"))
+    code = (
+        "import logging; from engine.entrypoints import logs; logs.configure('info'); "
+        "assert not logging.getLogger('httpx').isEnabledFor(logging.INFO); "
+        "assert any(isinstance(f, logs.QuietProbes) for f in "
+        "logging.getLogger('uvicorn.access').filters)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
