@@ -64,7 +64,27 @@ class TorchAttentionMetadata:
     prefill_chunks: list[PrefillChunk]
 
 
-class TorchBackend:
+class TorchLatents:
+    """MLA's store and prefill read in plain torch, which every backend shares:
+    one indexed copy of [latent, rotary key] rows, and a gather through a block
+    table. Only MLA's absorbed decode has kernels of its own."""
+
+    def store_latent(
+        self,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        cache: LatentKV,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        store_latent(latent, k_rope, cache, slot_mapping)
+
+    def gather_latents(
+        self, cache: LatentKV, block_table: torch.Tensor, context: int
+    ) -> torch.Tensor:
+        return gather_latents(cache, block_table, context)
+
+
+class TorchBackend(TorchLatents):
     name = "torch"
 
     def __init__(self, block_size: int) -> None:
@@ -180,19 +200,3 @@ class TorchBackend:
             )
             out[start : start + n] = o[0].transpose(0, 1)
         return out
-
-    def store_latent(
-        self,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        cache: LatentKV,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """MLA's store: one indexed copy of [latent, rotary key] rows."""
-        store_latent(latent, k_rope, cache, slot_mapping)
-
-    def gather_latents(
-        self, cache: LatentKV, block_table: torch.Tensor, context: int
-    ) -> torch.Tensor:
-        """MLA's prefill read, through the block table; see layers/mla.py."""
-        return gather_latents(cache, block_table, context)

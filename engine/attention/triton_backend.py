@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.kv_cache import LatentKV, PagedKV, gather_latents, store_latent
+from engine.attention.torch_backend import TorchLatents
+from engine.kv.kv_cache import LatentKV, PagedKV
 from engine.layers.batch_invariant import one_query_per_row
 
 
@@ -36,7 +37,7 @@ class TritonAttentionMetadata:
     prefill: PrefillBatch | None  # None when the step holds only decodes
 
 
-class TritonBackend:
+class TritonBackend(TorchLatents):  # MLA's store and gather, in torch
     name = "triton"
 
     def __init__(self, device: str, batch_invariant: bool = False) -> None:
@@ -68,22 +69,6 @@ class TritonBackend:
 
     def store_kvcache(self, k, v, cache: PagedKV, slot_mapping) -> None:
         self.kernels.store_kvcache(k, v, cache.k, cache.v, slot_mapping)
-
-    def store_latent(
-        self,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        cache: LatentKV,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """One indexed copy in torch: MLA's rows need no kernel of their own."""
-        store_latent(latent, k_rope, cache, slot_mapping)
-
-    def gather_latents(
-        self, cache: LatentKV, block_table: torch.Tensor, context: int
-    ) -> torch.Tensor:
-        """MLA's prefill attends in torch on every backend, and reads the cache so."""
-        return gather_latents(cache, block_table, context)
 
     def forward(self, q, k, v, cache: PagedKV, attn_metadata: TritonAttentionMetadata, scale):
         out = torch.empty_like(q)
