@@ -110,16 +110,21 @@ class BlockManager:
         only when no other sequence holds it; a cached block keeps its contents
         there, so a later request with the same prefix can still hit it."""
         for block_id in reversed(seq.block_table):  # tail first: prefixes are reused
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed more often than held"
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                if block.hash is None:  # nothing worth keeping: reuse it first
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+
+    def _release(self, block_id: int) -> None:
+        """One holder fewer. With none left the block is free: at the back of the
+        free list if it is cached, at the front if it holds nothing worth keeping."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed more often than held"
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.hash is None:  # nothing worth keeping: reuse it first
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def free_tail(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the sequence's blocks past its first ``num_tokens`` slots: the
@@ -128,11 +133,7 @@ class BlockManager:
         keep = self.blocks_needed(num_tokens)
         assert keep >= len(seq.block_hashes), "a published block cannot be rolled back"
         for block_id in seq.block_table[keep:]:
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                self.free_blocks.move_to_end(block_id, last=False)
+            self._release(block_id)  # unhashed, never published: to the front
         del seq.block_table[keep:]
 
     def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
