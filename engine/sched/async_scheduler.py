@@ -75,10 +75,8 @@ class AsyncScheduler(Scheduler):
             seq.token_ids += [PLACEHOLDER] * item.samples
             step.seqs[item.req_id] = seq
             step.ends[item.req_id] = seq.num_computed_tokens
-        if out.scheduled:
+        if out.scheduled:  # an empty output runs no step (Scheduler._hand_on)
             self.in_flight.append(step)
-        else:  # no step takes the finished ids to the model runner: the next one will
-            self.finished_req_ids = out.finished_req_ids + self.finished_req_ids
         return out
 
     def _num_new_tokens(self, seq: Sequence) -> int:
@@ -138,10 +136,7 @@ class AsyncScheduler(Scheduler):
         A grammar accepts it as the base's does (such a request has none ahead)."""
         ahead = seq.token_ids[index + 1 :]
         del seq.token_ids[index:]
-        seq.token_ids.append(token)
-        if seq.structured_output is not None:
-            seq.structured_output.accept(token)
-        reason = self._stop_reason(seq, token)
+        reason = super()._place_token(seq, index, token)
         if reason is None:
             seq.token_ids += ahead
         return reason

@@ -50,13 +50,6 @@ class DraftProposer(Protocol):
         ...
 
 
-class NoDrafts:
-    """The default proposer: nothing proposes drafts yet."""
-
-    def propose(self, seqs: list[Sequence]) -> dict[str, list[int]]:
-        return {}
-
-
 class Scheduler:
     def __init__(
         self,
@@ -75,7 +68,7 @@ class Scheduler:
         self.stats = stats
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.proposer: DraftProposer = proposer or NoDrafts()
+        self.proposer: DraftProposer | None = proposer  # None: no drafts (Chapter 5's)
         self.connector: KVConnector = connector or NoConnector()
         self.requests: dict[str, Sequence] = {}  # every unfinished one, by request id
         self.waiting: deque[Sequence] = deque()
@@ -152,7 +145,7 @@ class Scheduler:
 
     def _propose(self) -> dict[str, list[int]]:
         """Ask the proposer for drafts for the sequences about to decode."""
-        if isinstance(self.proposer, NoDrafts):
+        if self.proposer is None:
             return {}
         decoding = [s for s in self.running if s.num_output_tokens and self._num_new_tokens(s) == 1]
         return self.proposer.propose(decoding) if decoding else {}
@@ -194,10 +187,15 @@ class Scheduler:
         if load_async:
             return None
         self._publish(seq, n)
+        self._start_running(seq, num_cached + num_external)
+        return self._scheduled(seq, n)
+
+    def _start_running(self, seq: Sequence, num_cached: int) -> None:
+        """Into ``running``, in arrival order: a sequence that comes back returns
+        to its old place, ahead of everything that arrived after it."""
         seq.status = SequenceStatus.RUNNING
         insort(self.running, seq, key=lambda s: s.seq_id)
-        self._record(seq, EngineCoreEventType.SCHEDULED, num_cached + num_external)
-        return self._scheduled(seq, n)
+        self._record(seq, EngineCoreEventType.SCHEDULED, num_cached)
 
     def _num_external_tokens(self, seq: Sequence, num_cached: int) -> tuple[int, bool]:
         """The connector's tokens for ``seq`` past its ``num_cached`` cached ones,
@@ -246,9 +244,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens = num_loaded
             self._publish(seq, 0)
-            seq.status = SequenceStatus.RUNNING
-            insort(self.running, seq, key=lambda s: s.seq_id)
-            self._record(seq, EngineCoreEventType.SCHEDULED, num_loaded)
+            self._start_running(seq, num_loaded)
 
     def finish_saving(self, req_ids: Collection[str]) -> None:
         """The connector has saved these finished requests' blocks: free them."""
@@ -365,7 +361,9 @@ class Scheduler:
         seq = self.requests[item.req_id]
         return seq, seq.num_tokens
 
-    def _place_row(self, seq: Sequence, index: int, row: TokenRow) -> tuple[int, str | None]:
+    def _place_row(
+        self, seq: Sequence, index: int, row: TokenRow
+    ) -> tuple[int, FinishReason | None]:
         """Place a row's tokens from ``index`` on, up to the first that stops the
         request: how many it kept, and why it stops (None: it goes on)."""
         for i, token in enumerate(row.token_ids):
