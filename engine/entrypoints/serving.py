@@ -130,9 +130,8 @@ def sse(chunk: BaseModel | dict, null_usage: bool = False) -> str:
     if isinstance(chunk, BaseModel):
         if not (null_usage and "usage" in type(chunk).model_fields):
             return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-        data = {**chunk.model_dump(mode="json", exclude_none=True), "usage": None}
-        if chunk.usage is not None:
-            data["usage"] = chunk.usage.model_dump(mode="json", exclude_none=True)
+        data = chunk.model_dump(mode="json", exclude_none=True)
+        data.setdefault("usage", None)  # dropped with the other Nones
         return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
     return f"data: {json.dumps(chunk)}\n\n"
 
