@@ -32,6 +32,7 @@ from engine.entrypoints import logs
 from engine.entrypoints.chat_template import ChatTemplate, load_chat_template
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.middleware import BodyLimit
+from engine.entrypoints.prompt_tokens import bytes_per_token
 from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
 from engine.kv.hashing import chain_root
 
@@ -80,13 +81,19 @@ class RouterMetrics:
 class Tokens:
     """A request's prompt as token ids, computed as the worker will compute it."""
 
-    def __init__(self, model: str | None) -> None:
+    def __init__(self, model: str | None, needed: int) -> None:
+        """``needed``: how many leading tokens the key uses. Only the text they can
+        come from is tokenized, so that a huge prompt costs the router no more
+        than a short one (the worker refuses it, off its own event loop)."""
         self.tokenizer = self.template = None
+        self.max_chars: int | None = None
         if model is not None:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
             self.template: ChatTemplate | None = load_chat_template(Path(model))
+            if (per_token := bytes_per_token(self.tokenizer)) is not None:
+                self.max_chars = (needed + 1) * per_token  # a char is at least one byte
 
     def of(self, path: str, body: dict) -> list[int] | None:
         """None when the body is not one we can read: the worker will say why."""
@@ -106,7 +113,7 @@ class Tokens:
                     prompt = prompt[0]  # a batch: its first prompt chooses
             if isinstance(prompt, list):
                 return [int(t) for t in prompt]
-            return self.tokenizer.encode(prompt).ids
+            return self.tokenizer.encode(prompt[: self.max_chars]).ids
         except Exception:
             return None
 
@@ -125,7 +132,8 @@ class Router:
             self.policy = PrefixAffinity(self.workers, config.load_factor)
         else:
             self.policy = RoundRobin(self.workers)
-        self.tokens = Tokens(config.model if config.policy == "prefix" else None)
+        needed = config.prefix_blocks * config.block_size
+        self.tokens = Tokens(config.model if config.policy == "prefix" else None, needed)
         # The router's own chain root: keys need only agree with one another.
         self.root = chain_root("router", "", config.block_size)
         self.metrics = RouterMetrics(self.workers)

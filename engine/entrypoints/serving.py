@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from engine.entrypoints.async_llm import AsyncLLM
 from engine.entrypoints.chat_template import ChatTemplate
 from engine.entrypoints.errors import OpenAIError, bad_request
+from engine.entrypoints.prompt_tokens import PromptTokenizer
 from engine.entrypoints.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -144,6 +145,7 @@ class OpenAIServing:
         self.model_names = model_names
         self.chat_template = chat_template
         self.tokenizer = llm.tokenizer
+        self.prompts = PromptTokenizer(llm.tokenizer, llm.max_model_len)
 
     # ------------------------------------------------------------ requests in
 
@@ -156,19 +158,6 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
-
-    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer; send token ids", "prompt")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:  # valid JSON ("\ud800"), but no text
-            raise bad_request(
-                f"{param}: a lone surrogate is not valid Unicode text", param
-            ) from None
-        return self.tokenizer.encode(prompt).ids
 
     def job(
         self,
@@ -305,7 +294,7 @@ class OpenAIServing:
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-        prompts = [self.tokenize(p) for p in batch]
+        prompts = [await self.prompts.encode(p) for p in batch]
         job = self.job("cmpl", request_id, prompts, req, req.max_tokens, req.logprobs)
         outputs = self.start(job)
         if req.stream:
@@ -370,9 +359,8 @@ class OpenAIServing:
             raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        job = self.job(
-            "chatcmpl", request_id, [self.tokenize(text, "messages")], req, max_tokens, logprobs
-        )
+        prompt = await self.prompts.encode(text, "messages")
+        job = self.job("chatcmpl", request_id, [prompt], req, max_tokens, logprobs)
         outputs = self.start(job)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

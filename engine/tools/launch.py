@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,15 @@ def launched(
     *args: str, env: dict[str, str] | None = None, timeout_s: float = 300
 ) -> Iterator[str]:
     """`deepinfer ARGS --port P`, quiet; yields its URL."""
+    with launched_process(*args, env=env, timeout_s=timeout_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def launched_process(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 300
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As launched, and the process too, for a caller that stops or kills it."""
     port = free_port()
     argv = [sys.executable, "-m", "engine.tools.cli", *args, "--port", str(port)]
     argv += ["--log-level", "warning"]
@@ -44,8 +54,10 @@ def launched(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"deepinfer {args[0]} did not start in {timeout_s} s")
                 time.sleep(0.2)
-            yield url
+            yield url, proc
         finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot terminate
             proc.terminate()
             try:
                 proc.wait(timeout=15)
