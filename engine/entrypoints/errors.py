@@ -19,7 +19,9 @@ ERROR_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
+    502: "internal_server_error",  # the router's: a worker failed
     503: "service_unavailable_error",
+    504: "timeout_error",  # the router's: no worker answered in time
 }
 
 

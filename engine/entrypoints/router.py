@@ -28,11 +28,12 @@ from prometheus_client import (
 )
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.entrypoints import logs
+from engine.entrypoints import logs, relay
 from engine.entrypoints.chat_template import ChatTemplate, load_chat_template
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.middleware import BodyLimit
 from engine.entrypoints.prompt_tokens import bytes_per_token
+from engine.entrypoints.relay import WorkerFailed
 from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
 from engine.kv.hashing import chain_root
 
@@ -51,6 +52,11 @@ class RouterConfig:
     load_factor: float = 1.25
     health_interval: float = 2.0
     max_body_bytes: int = 4 * 1024 * 1024  # as the workers': the router reads a body whole
+    connect_timeout: float = 2.0
+    # Until a worker's reply begins: a non-streamed reply begins only when it is
+    # whole. Meanwhile a worker found stalled by its health check is left at once.
+    first_byte_timeout: float = 600.0
+    idle_timeout: float = 120.0  # between two pieces of a reply's body
 
 
 class RouterMetrics:
@@ -66,6 +72,16 @@ class RouterMetrics:
         )
         self.unroutable = Counter(
             "deepinfer_router:unroutable", "Requests no worker could take.", registry=r
+        )
+        self.stalls = Counter(
+            "deepinfer_router:stalls",
+            "Attempts left before their first byte: the worker went down or took too long.",
+            registry=r,
+        )
+        self.broken = Counter(
+            "deepinfer_router:broken_replies",
+            "Replies that broke off after their first byte; a stream ends with an error event.",
+            registry=r,
         )
         self.up = Gauge(
             "deepinfer_router:worker_up", "1 if the worker is healthy.", ["worker"], registry=r
@@ -137,7 +153,8 @@ class Router:
         # The router's own chain root: keys need only agree with one another.
         self.root = chain_root("router", "", config.block_size)
         self.metrics = RouterMetrics(self.workers)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.connect_timeout))
+        self.down = {w.url: asyncio.Event() for w in self.workers}  # set while a worker is down
 
     def candidates(self, path: str, body: bytes) -> list[Worker]:
         key = None
@@ -151,40 +168,73 @@ class Router:
         return self.policy.candidates(key)
 
     async def forward(self, request: Request) -> Response:
-        """Send the request to the first candidate that answers; stream its reply."""
+        """Send the request to the first candidate whose reply begins; stream the
+        reply. Before its first byte a request can go elsewhere unharmed."""
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        timed_out = False
         for worker in self.candidates(request.url.path, body):
             upstream = self.client.build_request(
                 request.method, worker.url + request.url.path, headers=headers, content=body
             )
             try:
-                reply = await self.client.send(upstream, stream=True)
+                reply = await self._first_byte(worker, upstream)
             except httpx.TransportError as err:  # down before its first byte: next one
                 logger.warning("worker %s unreachable (%s); trying another", worker.url, err)
                 self.mark(worker, healthy=False)
                 self.metrics.retries.inc()
                 continue
+            if reply is None:  # stalled: the health check found it down, or time ran out
+                timed_out = True
+                self.mark(worker, healthy=False)
+                self.metrics.stalls.inc()
+                self.metrics.retries.inc()
+                continue
             return self._relay(worker, reply)
         self.metrics.unroutable.inc()
+        if timed_out:
+            raise OpenAIError(504, "no worker answered in time", headers={"Retry-After": "1"})
         raise OpenAIError(503, "no worker is available", headers={"Retry-After": "1"})
+
+    async def _first_byte(self, worker: Worker, upstream: httpx.Request) -> httpx.Response | None:
+        """The worker's reply once it begins; None if the worker is marked down
+        first, or the first-byte timeout passes."""
+        send = asyncio.ensure_future(self.client.send(upstream, stream=True))
+        down = asyncio.ensure_future(self.down[worker.url].wait())
+        timeout = self.config.first_byte_timeout
+        await asyncio.wait({send, down}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        down.cancel()
+        if send.done():
+            return send.result()
+        send.cancel()
+        (outcome,) = await asyncio.gather(send, return_exceptions=True)
+        if isinstance(outcome, httpx.Response):  # it began as we gave up on it
+            await outcome.aclose()
+        logger.warning("worker %s sent nothing in time; trying another", worker.url)
+        return None
 
     def _relay(self, worker: Worker, reply: httpx.Response) -> Response:
         worker.in_flight += 1
         self.metrics.requests.labels(worker.url).inc()
         self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
 
-        async def done() -> None:
-            await reply.aclose()  # a client that left closes the worker's stream too
-            worker.in_flight -= 1
-            self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+        def failed(failure: WorkerFailed) -> None:
+            logger.warning("worker %s: %s", worker.url, failure)
+            self.metrics.broken.inc()
+            if failure.died:
+                self.mark(worker, healthy=False)
+
+        stream = reply.headers.get("content-type", "").startswith("text/event-stream")
+        pieces = (relay.events if stream else relay.raw)(reply, self.config.idle_timeout, failed)
 
         async def body():
             try:
-                async for chunk in reply.aiter_raw():
-                    yield chunk
+                async for piece in pieces:
+                    yield piece
             finally:
-                await done()
+                await reply.aclose()  # a client that left closes the worker's stream too
+                worker.in_flight -= 1
+                self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
 
         headers = {k: v for k, v in reply.headers.items() if k.lower() not in HOP_HEADERS}
         headers["x-deepinfer-worker"] = worker.url
@@ -195,6 +245,10 @@ class Router:
             logger.info("worker %s is %s", worker.url, "up" if healthy else "down")
         worker.healthy = healthy
         self.metrics.up.labels(worker.url).set(int(healthy))
+        if healthy:
+            self.down[worker.url].clear()
+        else:
+            self.down[worker.url].set()  # requests waiting on it go elsewhere
 
     async def check_health(self) -> None:
         while True:

@@ -111,6 +111,9 @@ def _router(args: argparse.Namespace) -> int:
         load_factor=args.load_factor,
         health_interval=args.health_interval,
         max_body_bytes=args.max_body_bytes,
+        connect_timeout=args.connect_timeout,
+        first_byte_timeout=args.first_byte_timeout,
+        idle_timeout=args.idle_timeout,
     )
     run_router(config, args.host, args.port, args.log_level)
     return 0
@@ -288,6 +291,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker takes at most this times the mean load in flight",
     )
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
+    router.add_argument("--connect-timeout", type=float, default=2.0, help="seconds")
+    router.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a worker may take to begin its reply before the request goes "
+        "to another (a non-streamed reply begins when it is whole)",
+    )
+    router.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a reply may pause; a stream then ends with an error event",
+    )
     router.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8080)
