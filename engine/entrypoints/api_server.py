@@ -14,7 +14,9 @@ import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -49,6 +51,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 1024  # requests without a first token; more are refused with 503
     max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout: float = 30.0  # on SIGTERM: how long requests in flight may go on
 
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 500, 503)}
@@ -93,6 +96,8 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if llm.draining:
+            raise OpenAIError(503, "the server is shutting down")
         if not llm.healthy:
             raise OpenAIError(503, f"the engine is not running: {llm.core.dead}")
         return JSONResponse({"status": "ok"})
@@ -163,9 +168,27 @@ def invalid_request(problems: list[dict]) -> OpenAIError:
     return OpenAIError(400, "; ".join(first.values()), param=fields[0] if fields else None)
 
 
-def run_server(config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but on SIGTERM or Ctrl-C the engine first stops taking
+    requests and gives those in flight ``shutdown_timeout`` seconds; whatever
+    is left then ends with a 503 or an error event, so that no client is cut
+    off without a word. uvicorn meanwhile stops listening and waits for them."""
 
+    MARGIN_S = 5.0  # for the last responses to be written
+
+    def __init__(self, app: FastAPI, config: ServerConfig, **uvicorn_kw: object) -> None:
+        timeout = config.shutdown_timeout + self.MARGIN_S
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=timeout, **uvicorn_kw))
+        self.llm: AsyncLLM = app.state.llm
+        self.shutdown_timeout = config.shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and self.llm.loop is not None:
+            self.llm.loop.call_soon_threadsafe(self.llm.drain, self.shutdown_timeout)
+        super().handle_exit(sig, frame)
+
+
+def run_server(config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
     logs.configure(log_level)
     app = build_app(config)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    DrainingServer(app, config, host=host, port=port, log_level=log_level).run()

@@ -24,14 +24,17 @@ from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer.server")
+SHUTTING_DOWN = "the server is shutting down; retry on another"
 
 
 @dataclass
 class EngineFailure:
-    """Put on a request's queue in place of an output when the engine failed it."""
+    """Put on a request's queue in place of an output when it cannot go on: the
+    engine failed it (500), or the server is shutting down (503)."""
 
     request_id: str
     message: str
+    status: int = 500
 
 
 @dataclass
@@ -54,6 +57,7 @@ class AsyncLLM:
         self.sinks: dict[str, asyncio.Queue] = {}  # request id -> its handler's queue
         self.timing: dict[str, Timing] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False  # shutting down: no new requests
 
     @property
     def num_waiting(self) -> int:
@@ -80,6 +84,8 @@ class AsyncLLM:
         then iterate to get their outputs as they come."""
         if not self.healthy:
             raise OpenAIError(503, f"the engine is not running: {self.core.dead}")
+        if self.draining:
+            raise OpenAIError(503, SHUTTING_DOWN, headers={"Retry-After": "1"})
         if self.num_waiting + len(requests) > self.max_waiting:
             self.metrics.rejected.inc()
             raise OpenAIError(
@@ -108,7 +114,10 @@ class AsyncLLM:
             while pending:
                 item = await sink.get()
                 if isinstance(item, EngineFailure):
-                    raise OpenAIError(500, f"the engine failed: {item.message}")
+                    message = (
+                        item.message if item.status != 500 else f"the engine failed: {item.message}"
+                    )
+                    raise OpenAIError(item.status, message)
                 if item.finished:
                     pending.discard(item.request_id)
                 yield item
@@ -154,14 +163,27 @@ class AsyncLLM:
                 del self.sinks[out.request_id]
             sink.put_nowait(out)
 
-    def _fail(self, failed: dict[str, str]) -> None:
-        """Requests that will get no more outputs: their handlers answer with a 500."""
+    def drain(self, timeout: float) -> None:
+        """Shutting down: take no new requests, and end those still unfinished
+        after ``timeout`` seconds with a 503 (an error event, in a stream)."""
+        self.draining = True
+        self.loop.call_later(timeout, self._end_all)
+
+    def _end_all(self) -> None:
+        unfinished = list(self.sinks)
+        if unfinished:
+            logger.warning("shutting down: ending %d unfinished requests", len(unfinished))
+            self.core.abort(unfinished)
+            self._fail(dict.fromkeys(unfinished, SHUTTING_DOWN), status=503)
+
+    def _fail(self, failed: dict[str, str], status: int = 500) -> None:
+        """Requests that will get no more outputs: their handlers answer with ``status``."""
         for request_id, message in failed.items():
             if (sink := self.sinks.pop(request_id, None)) is not None:
                 self.processor.abort_request(request_id)
                 self.timing.pop(request_id, None)
                 self.metrics.failed.inc()
-                sink.put_nowait(EngineFailure(request_id, message))
+                sink.put_nowait(EngineFailure(request_id, message, status))
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         m, t = self.metrics, self.timing[out.request_id]

@@ -94,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY") or None,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
     )
     run_server(config, args.host, args.port, args.log_level)
     return 0
@@ -250,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests without a first token beyond which new ones get 503",
     )
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds that requests in flight may go on; "
+        "those still running then end with a 503 or an error event",
+    )
     serve.add_argument("--device", default=None)
     _add_dtype(serve)
     _add_compile(serve, default=None)  # a server runs long enough to repay it
