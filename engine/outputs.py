@@ -84,6 +84,7 @@ class EngineCoreEvent:
     type: EngineCoreEventType = field(compare=False)
     step: int = field(compare=False)  # the engine step it happened in, counting from 1
     num_tokens: int = field(compare=False)  # the request's tokens at that moment
+    time: float = field(compare=False)  # time.perf_counter() in the engine's process
     num_cached_tokens: int = field(default=0, compare=False)  # SCHEDULED: cached of them
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -20,7 +20,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.entrypoints.engine_core import CoreBatch, EngineCore
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.metrics import ServerMetrics
-from engine.outputs import EngineCoreOutput, RequestOutput
+from engine.outputs import EngineCoreEventType, EngineCoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer.server")
@@ -42,6 +42,8 @@ class Timing:
     """One request's clock, for the latency histograms."""
 
     arrival: float
+    counts_prompt: bool = True  # False for choices 2..n of one prompt
+    first_token: float = 0.0
     last_token: float | None = None
     num_tokens: int = 0
 
@@ -77,11 +79,15 @@ class AsyncLLM:
         return thread is not None and thread.is_alive() and self.core.dead is None
 
     def generate(
-        self, requests: dict[str, tuple[list[int], SamplingParams]]
+        self,
+        requests: dict[str, tuple[list[int], SamplingParams]],
+        repeats: Collection[str] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Queue several requests (the choices of one HTTP request), all checked
         before any is queued, so that a refusal comes before any response starts;
-        then iterate to get their outputs as they come."""
+        then iterate to get their outputs as they come. ``repeats``: requests
+        whose prompt an earlier one of them has (choices 2..n of a prompt), so
+        that the prompt's tokens count once."""
         if not self.healthy:
             raise OpenAIError(503, f"the engine is not running: {self.core.dead}")
         if self.draining:
@@ -102,7 +108,7 @@ class AsyncLLM:
         for seq in seqs:
             self.processor.add_request(seq.request_id, None, seq.prompt_token_ids, seq.params)
             self.sinks[seq.request_id] = sink
-            self.timing[seq.request_id] = Timing(now)
+            self.timing[seq.request_id] = Timing(now, counts_prompt=seq.request_id not in repeats)
         self.core.add(seqs)
         return self._outputs(sink, set(requests))
 
@@ -190,13 +196,20 @@ class AsyncLLM:
         new = len(out.token_ids) - t.num_tokens
         if t.last_token is None:
             m.ttft.observe(now - t.arrival)
-            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            if t.counts_prompt:
+                m.prompt_tokens.inc(len(out.prompt_token_ids))
             m.prefix_lookup(len(out.prompt_token_ids), out.num_cached_tokens)
+            scheduled = [e.time for e in out.events if e.type is EngineCoreEventType.SCHEDULED]
+            if scheduled:
+                m.queue_time.observe(scheduled[0] - t.arrival)
+                m.prefill_time.observe(now - scheduled[-1])
+            t.first_token = now
         else:
             m.itl.observe(now - t.last_token)
         m.generation_tokens.inc(new)
         t.last_token, t.num_tokens = now, len(out.token_ids)
         if out.finished:
             m.e2e.observe(now - t.arrival)
+            m.decode_time.observe(now - t.first_token)
             m.finished(out.finish_reason)
             del self.timing[out.request_id]

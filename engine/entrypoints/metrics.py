@@ -2,7 +2,9 @@
 
 Latencies are measured in the front end, where the tokens reach the clients:
 time to first token from the request's arrival, inter-token latency between a
-request's successive outputs, end-to-end latency to its last. The engine core's
+request's successive outputs, end-to-end latency to its last; and, from the
+times of the scheduler's events, queue time (arrival to first scheduled),
+prefill time (scheduled to first token) and decode time (first token to last). The engine core's
 state (running, waiting, cache usage, preemptions) comes with each step.
 """
 
@@ -16,6 +18,9 @@ disable_created_metrics()  # no *_created series: a scrape shows only what was m
 
 # CPU steps of a tiny model take milliseconds; a large model's prefill, seconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+HANDLERS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 
 
 class ServerMetrics:
@@ -45,6 +50,24 @@ class ServerMetrics:
             "Arrival to last token.",
             buckets=LATENCY_BUCKETS,
         )
+        self.queue_time = make(
+            Histogram,
+            "request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.prefill_time = make(
+            Histogram,
+            "request_prefill_time_seconds",
+            "Last scheduled before the first token, to the first token.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.decode_time = make(
+            Histogram,
+            "request_decode_time_seconds",
+            "First token to last token.",
+            buckets=LATENCY_BUCKETS,
+        )
         self.running = make(Gauge, "num_requests_running", "Requests in the running batch.")
         self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Share of KV blocks in use (0-1).")
@@ -60,6 +83,7 @@ class ServerMetrics:
         self.aborted = make(Counter, "request_aborted", "Requests aborted by their clients.")
         self.rejected = make(Counter, "request_rejected", "Requests refused: too many waiting.")
         self.failed = make(Counter, "request_failed", "Requests failed by the engine.")
+        self.http = make(Counter, "http_requests", "HTTP requests answered.", ("handler", "status"))
         self._labels = labels
         self._preemptions_seen = 0
         self._queried = self._hit = 0
@@ -70,6 +94,13 @@ class ServerMetrics:
         self.prefix_hits.inc(hit)
         self._queried, self._hit = self._queried + queried, self._hit + hit
         self.prefix_hit_rate.set(self._hit / self._queried if self._queried else 0.0)
+
+    def answered(self, path: str, status: int) -> None:
+        """One HTTP response; paths the server does not serve count as one, so
+        that a scan of random URLs cannot grow the label set."""
+        handler = path if path in HANDLERS or path.startswith("/v1/models/") else "other"
+        handler = "/v1/models/{id}" if handler.startswith("/v1/models/") else handler
+        self.http.labels(**self._labels, handler=handler, status=str(status)).inc()
 
     def finished(self, reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 import uuid
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -94,3 +95,22 @@ class BodyLimit:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = OpenAIError(413, f"the request body is larger than {self.max_bytes} bytes")
         await error.response()(scope, receive, send)
+
+
+class CountResponses:
+    """Count every response by its path and status, for /metrics."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None]) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.count(scope["path"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)

@@ -215,7 +215,9 @@ class OpenAIServing:
     def start(self, job: Job) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Queue the job's requests now (a refusal is an error response, not a
         broken stream), and follow each output back to its choice."""
-        return self._follow(job, self.llm.generate(job.requests))
+        n = len(job.choices) // len(job.prompts)  # choices per prompt
+        repeats = [rid for rid, c in job.choices.items() if c.index % n]  # not a prompt's first
+        return self._follow(job, self.llm.generate(job.requests, repeats))
 
     @staticmethod
     async def _follow(job: Job, outputs: AsyncIterator[RequestOutput]):

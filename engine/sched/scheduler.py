@@ -19,6 +19,7 @@ finished request's blocks while the connector saves them.
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections import deque
 from collections.abc import Collection
@@ -92,8 +93,8 @@ class Scheduler:
     def _record(self, seq: Sequence, kind: EngineCoreEventType, num_cached: int = 0) -> None:
         """Note what happened to ``seq``, in this step, after everything noted before."""
         step = self.stats.steps + 1  # the step being scheduled (counted once it is)
-        event = EngineCoreEvent(next(self._event_index), kind, step, seq.num_tokens, num_cached)
-        seq.events.append(event)
+        index, now = next(self._event_index), time.perf_counter()
+        seq.events.append(EngineCoreEvent(index, kind, step, seq.num_tokens, now, num_cached))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)

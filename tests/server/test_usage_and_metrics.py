@@ -138,3 +138,50 @@ def test_with_include_usage_every_other_chunk_says_usage_null(
             assert events[-1]["usage"]["completion_tokens"] == 3
         else:
             assert not any("usage" in e for e in events), events
+
+
+def test_prompt_tokens_count_each_prompt_once_however_many_choices(
+    served: tuple[str, FastAPI],
+) -> None:
+    """Bug guarded: prompt_tokens_total counted a prompt once per choice."""
+    url, _ = served
+    prompts = [list(range(3000, 3010)), list(range(3100, 3113))]
+    before = metric(url, "deepinfer:prompt_tokens_total")
+    post(url, prompt=prompts, n=3, max_tokens=2, temperature=1.0, seed=0)
+    assert metric(url, "deepinfer:prompt_tokens_total") == before + sum(map(len, prompts))
+
+
+def test_queue_prefill_and_decode_times_are_observed_once_per_request(
+    served: tuple[str, FastAPI],
+) -> None:
+    url, _ = served
+    names = [f"deepinfer:request_{k}_time_seconds" for k in ("queue", "prefill", "decode")]
+    counts = [metric(url, n + "_count") for n in names]
+    sums = [metric(url, n + "_sum") for n in names]
+    post(url, prompt=[list(range(3200, 3212)), list(range(3300, 3305))], max_tokens=3)
+    for name, count, total in zip(names, counts, sums):
+        assert metric(url, name + "_count") == count + 2, name
+        assert metric(url, name + "_sum") >= total, name  # times are never negative
+
+
+def test_http_responses_are_counted_by_handler_and_status(served: tuple[str, FastAPI]) -> None:
+    url, _ = served
+
+    def count(handler: str, status: int) -> float:
+        labels = f'handler="{handler}",model_name="deepinfer-tiny",status="{status}"'
+        return metric(url, "deepinfer:http_requests_total{" + labels + "}")
+
+    def send() -> None:
+        post(url, prompt=[5, 6, 7], max_tokens=1)
+        bad = httpx.post(url + "/v1/completions", json={"model": "deepinfer-tiny"}, timeout=30)
+        assert bad.status_code == 400
+        for path in ("/nope", "/nope/again", "/v2/x"):  # many paths, one label set
+            assert httpx.get(url + path, timeout=30).status_code == 404
+
+    send()  # each series exists from here on
+    ok, bad = count("/v1/completions", 200), count("/v1/completions", 400)
+    other = count("other", 404)
+    send()
+    assert count("/v1/completions", 200) == ok + 1
+    assert count("/v1/completions", 400) == bad + 1
+    assert count("other", 404) == other + 3
