@@ -44,6 +44,16 @@ class SamplingParams:
     dividing logits by a temperature near zero overflows. top_k 0 (or -1) and
     top_p 1 switch those filters off; min_p 0 does too. A request with a seed draws its tokens from its own
     random stream, so its output does not depend on what else is in the batch.
+
+    The logits are adjusted first, as vLLM adjusts them: ``logit_bias`` is added
+    to the named tokens (clamped to [-100, 100], as OpenAI says); until
+    ``min_tokens`` tokens are out, EOS and ``stop_token_ids`` are at -inf, and no
+    stop string ends the text; ``repetition_penalty`` divides a positive logit of
+    any token in the prompt or the output, and multiplies a negative one; then
+    ``frequency_penalty`` times each token's count in the output, and
+    ``presence_penalty`` for each token the output holds, are subtracted (OpenAI's
+    definition). With ``include_stop_str_in_output`` the matched stop string, or
+    the stop token's text, stays at the end of the text.
     """
 
     temperature: float = 1.0
@@ -57,6 +67,12 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # how many top logprobs to return per generated token
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output follows
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,7 +91,36 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        self._check_adjustments()
+
+    def _check_adjustments(self) -> None:
+        """The penalties, min_tokens and logit_bias, in vLLM's ranges; the biases clamped."""
+        penalties = {"presence_penalty": self.presence_penalty}
+        penalties["frequency_penalty"] = self.frequency_penalty
+        for name, value in penalties.items():
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logit_bias is not None:
+            if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias keys must be token ids, non-negative integers")
+            self.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Does any penalty change this request's logits? Then the model runner
+        needs the request's output tokens every step it samples."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

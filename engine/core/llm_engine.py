@@ -103,6 +103,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        self._check_logit_bias(params)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json; pass token ids")
@@ -128,6 +129,15 @@ class LLMEngine:
         if params.structured_outputs is not None:  # ValueError if it does not compile
             seq.structured_output = self.structured_output.request_for(params.structured_outputs)
         return seq
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """Every token a logit_bias names must be in the model's vocabulary."""
+        vocab = self.config.hf_config.vocab_size
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise ValueError(
+                f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})"
+            )
 
     def add_sequence(self, seq: Sequence, prompt: Prompt | None = None) -> None:
         """Queue a checked request: its text side to the output processor, its

@@ -61,7 +61,13 @@ class OutputProcessor:
         params: SamplingParams,
     ) -> None:
         detokenizer = (
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                params.stop,
+                params.min_tokens,
+                params.include_stop_str_in_output,
+            )
             if self.tokenizer is not None
             else None
         )
@@ -100,7 +106,8 @@ class OutputProcessor:
             state.logprobs.append(entry)
         reason = out.finish_reason
         detok = state.detokenizer
-        if detok is not None and detok.update(out.new_token_ids, finished=reason is not None):
+        stop_token = reason == FinishReason.STOP  # EOS, a stop token, a finished grammar
+        if detok is not None and detok.update(out.new_token_ids, reason is not None, stop_token):
             reason = FinishReason.STOP  # a stop string: the text ends here; the core must stop
         if reason is not None:
             state.times.finished = now

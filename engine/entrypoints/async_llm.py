@@ -102,7 +102,8 @@ class AsyncLLM:
         try:
             seqs = [self.core.make_sequence(rid, ids, p) for rid, (ids, p) in requests.items()]
         except ValueError as err:
-            raise OpenAIError(400, str(err), param="prompt") from err
+            param = "logit_bias" if "logit_bias" in str(err) else "prompt"
+            raise OpenAIError(400, str(err), param=param) from err
         sink: asyncio.Queue = asyncio.Queue()
         now = time.perf_counter()
         for seq in seqs:

@@ -58,11 +58,13 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
     seed: int | None = None
-    presence_penalty: float = Field(0, ge=0, le=0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0, ge=0, le=0, description="not supported: must be 0")
+    presence_penalty: float = Field(0, ge=-2, le=2)
+    frequency_penalty: float = Field(0, ge=-2, le=2)
     user: str | None = None
     response_format: ResponseFormat | None = None
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias, clamped to [-100, 100]"
+    )
     tools: list[dict] | None = Field(None, max_length=0, description="not supported")
     tool_choice: Literal["none"] | None = Field(None, description="not supported beyond none")
     # Extensions, with vLLM's names.
@@ -75,9 +77,9 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
-    min_tokens: int = Field(0, ge=0, le=0, description="not supported: must be 0")
-    repetition_penalty: float = Field(1.0, ge=1, le=1, description="not supported: must be 1")
-    include_stop_str_in_output: Literal[False] = Field(False, description="not supported")
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    include_stop_str_in_output: bool = False
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -93,9 +95,19 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = Field(False, description="not supported: must be false")
+    echo: bool = Field(
+        False, description="the prompt's text before each choice's (not with logprobs)"
+    )
     suffix: None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=1, description="not supported beyond 1")
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs is not supported: the engine has no prompt logprobs"
+            )
+        return self
 
 
 class TextPart(BaseModel):

@@ -37,6 +37,7 @@ from engine.entrypoints.protocol import (
     TopLogprob,
     Usage,
 )
+from engine.entrypoints.token_text import TokenText
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -61,6 +62,13 @@ class Job:
     prompts: list[list[int]]
     requests: dict[str, tuple[list[int], SamplingParams]] = field(default_factory=dict)
     choices: dict[str, Choice] = field(default_factory=dict)
+    echo: list[str] | None = None  # completions' echo: each prompt's text, before its choices'
+
+    def echoed(self, choice: Choice) -> str:
+        """The prompt text a choice starts with: with echo, once, in its first chunk."""
+        if self.echo is None or choice.text_sent or choice.tokens_sent:
+            return ""
+        return self.echo[choice.prompt_index]
 
     def usage(self) -> Usage:
         first = {c.prompt_index: c.last for c in reversed(self.choices.values())}
@@ -125,6 +133,54 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     return found[0][1] if found else None
 
 
+def sampling_params(
+    req: SamplingFields,
+    max_tokens: int,
+    seed: int,
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None,
+) -> SamplingParams:
+    """One choice's engine settings, from the request's fields; a bad one is a 400."""
+    try:
+        return SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            max_tokens=max_tokens,
+            stop=req.stop_strings(),
+            ignore_eos=req.ignore_eos,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=list(req.stop_token_ids or []),
+            structured_outputs=structured,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            logit_bias=logit_bias(req),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as err:
+        raise bad_request(str(err), field_named(str(err))) from err
+
+
+def field_named(message: str) -> str | None:
+    """The request field a SamplingParams error starts with ("min_tokens must ..."), if any."""
+    word = message.split(maxsplit=1)[0] if message else ""
+    return word if word in SamplingFields.model_fields else None
+
+
+def logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings ("50256"), as ints."""
+    if req.logit_bias is None:
+        return None
+    bad = [key for key in req.logit_bias if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise bad_request(f"logit_bias keys must be token ids, got {bad[0]!r}", "logit_bias")
+    return {int(key): bias for key, bias in req.logit_bias.items()}
+
+
 def sse(chunk: BaseModel | dict, null_usage: bool = False) -> str:
     """One server-sent event. With ``null_usage`` (stream_options.include_usage),
     a chunk without usage says "usage": null, as OpenAI's do."""
@@ -146,6 +202,7 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = llm.tokenizer
         self.prompts = PromptTokenizer(llm.tokenizer, llm.max_model_len)
+        self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None
 
     # ------------------------------------------------------------ requests in
 
@@ -191,22 +248,8 @@ class OpenAIServing:
                 )
             for i in range(req.n):
                 index = p * req.n + i
-                try:
-                    params = SamplingParams(
-                        temperature=req.temperature,
-                        top_p=req.top_p,
-                        top_k=req.top_k,
-                        min_p=req.min_p,
-                        max_tokens=max_tokens or limit - len(ids),
-                        stop=req.stop_strings(),
-                        ignore_eos=req.ignore_eos,
-                        seed=seed + i,
-                        logprobs=logprobs,
-                        stop_token_ids=list(req.stop_token_ids or []),
-                        structured_outputs=structured,
-                    )
-                except ValueError as err:
-                    raise bad_request(str(err)) from err
+                limited = max_tokens or limit - len(ids)
+                params = sampling_params(req, limited, seed + i, logprobs, structured)
                 engine_id = f"{job.id}-{index}"
                 job.requests[engine_id] = (ids, params)
                 job.choices[engine_id] = Choice(index, p)
@@ -253,45 +296,65 @@ class OpenAIServing:
     # ------------------------------------------------------------ logprobs
 
     def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
+        return self.token_text.text(token_id) if self.token_text else str(token_id)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        if self.token_text is None:
+            return list(str(token_id).encode())
+        return list(self.token_text.bytes(token_id))
 
     def _top(self, entry: dict[int, float], n: int) -> list[tuple[int, float]]:
         return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
 
+    def _top_keys(self, token_ids: list[int]) -> list[str]:
+        if self.token_text is None:
+            return [str(t) for t in token_ids]
+        return self.token_text.top_keys(token_ids)
+
     def completion_logprobs(
         self, out: RequestOutput, start: int, n: int, offset: int
     ) -> CompletionLogprobs:
+        """OpenAI's legacy shape; top_logprobs keyed by text, n keys for n tokens
+        even where two of them decode alike (TokenText.top_keys)."""
         lp = CompletionLogprobs()
         for token_id, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
             text = self._token(token_id)
             lp.tokens.append(text)
             lp.token_logprobs.append(entry[token_id])
-            lp.top_logprobs.append({self._token(t): v for t, v in self._top(entry, n)})
+            top = self._top(entry, n)
+            lp.top_logprobs.append(
+                dict(zip(self._top_keys([t for t, _ in top]), [v for _, v in top]))
+            )
             lp.text_offset.append(offset)
             offset += len(text)
         return lp
 
     def chat_logprobs(self, out: RequestOutput, start: int, n: int) -> ChoiceLogprobs:
+        """Each token's text and its own bytes, which for part of a character are
+        not the bytes of its text ("\ufffd")."""
         content = []
         for token_id, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
-            text = self._token(token_id)
             top = [
-                TopLogprob(token=(t := self._token(i)), logprob=v, bytes=list(t.encode()))
+                TopLogprob(token=self._token(i), logprob=v, bytes=self._bytes(i))
                 for i, v in self._top(entry, n)
             ]
             content.append(
                 TokenLogprob(
-                    token=text, logprob=entry[token_id], bytes=list(text.encode()), top_logprobs=top
+                    token=self._token(token_id),
+                    logprob=entry[token_id],
+                    bytes=self._bytes(token_id),
+                    top_logprobs=top,
                 )
             )
         return ChoiceLogprobs(content=content)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer else ""
 
     # ------------------------------------------------------------ completions
 
     async def completions(self, req: CompletionRequest, request_id: str):
         self.check_model(req.model)
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
         prompt = req.prompt
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
@@ -299,6 +362,8 @@ class OpenAIServing:
         prompts = [await self.prompts.encode(p) for p in batch]
         job = self.job("cmpl", request_id, prompts, req, req.max_tokens, req.logprobs)
         outputs = self.start(job)
+        if req.echo:  # once the engine took the prompts: their token ids are valid
+            job.echo = [p if isinstance(p, str) else self._decode(p) for p in batch]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return self.stream(job, self._completion_chunks(job, req, outputs, usage), usage)
@@ -315,7 +380,7 @@ class OpenAIServing:
                 logprobs = self.completion_logprobs(
                     out, choice.tokens_sent, req.logprobs, choice.text_sent
                 )
-            text = out.text[choice.text_sent :]
+            text = job.echoed(choice) + out.text[choice.text_sent :]
             choice.text_sent, choice.tokens_sent = len(out.text), len(out.token_ids)
             item = CompletionChoice(
                 index=choice.index, text=text, logprobs=logprobs, finish_reason=finish_reason(out)
@@ -338,7 +403,7 @@ class OpenAIServing:
             choices.append(
                 CompletionChoice(
                     index=choice.index,
-                    text=out.text,
+                    text=job.echoed(choice) + out.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(out),
                 )

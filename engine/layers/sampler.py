@@ -1,6 +1,8 @@
 """Choosing the next token from logits, for the whole batch at once: greedy, or
 sampled after temperature, top-k, top-p and min-p, from a random stream per
-request.
+request. Before either, the logits of the rows that ask are adjusted: a
+grammar's mask, logit_bias and min_tokens (logit_bias.py), then the penalties
+(penalties.py), in vLLM's order; a batch where no row asks skips all of it.
 
 Every setting is a per-row tensor, so one set of tensor operations serves the
 batch: no loop over rows, and no wait for the GPU. The sampled ids stay on the
@@ -17,10 +19,13 @@ makes seeded sampling reproducible.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
+from engine.layers.logit_bias import LogitBias, apply_logit_bias
+from engine.layers.penalties import Penalties, apply_penalties
 from engine.outputs import LogprobsTensors
 from engine.sampling_params import SamplingParams
 from engine.utils import to_device
@@ -34,6 +39,10 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     step: int  # the output position of the token this row samples (0: the first output)
+    # Only for a request with penalties: its output tokens before this row's, and
+    # the tokens of its prompt (None without a repetition penalty).
+    output_token_ids: list[int] | None = None
+    prompt_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -54,6 +63,34 @@ class RandomRows:
     use_top_p: bool
     use_min_p: bool
 
+    @classmethod
+    def from_rows(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> RandomRows | None:
+        """The rows that draw, as tensors; None when every row is greedy."""
+        drawn = [(i, r) for i, r in enumerate(rows) if not r.params.greedy]
+        if not drawn:
+            return None
+        params = [r.params for _, r in drawn]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(values, dtype, device)
+
+        return cls(
+            rows=tensor([i for i, _ in drawn], torch.int64),
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            seeds=tensor([r.seed & _MASK63 for _, r in drawn], torch.int64),
+            steps=tensor([r.step for _, r in drawn], torch.int64),
+            max_top_k=max(top_k),
+            use_top_k=any(k < vocab_size for k in top_k),
+            use_top_p=any(p.top_p < 1.0 for p in params),
+            use_min_p=any(p.min_p > 0.0 for p in params),
+        )
+
 
 @dataclass
 class GrammarMask:
@@ -69,35 +106,34 @@ class SamplingMetadata:
     random: RandomRows | None  # None when every row is greedy
     max_num_logprobs: int | None  # the most any row asked for; None if none asked
     grammar: GrammarMask | None = None  # None when no row samples under a grammar
+    logit_bias: LogitBias | None = None  # None when no row has a bias or holds back a stop
+    penalties: Penalties | None = None  # None when no row has a penalty
 
     @classmethod
     def from_rows(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+        cls,
+        rows: list[SamplingRow],
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: Collection[int] = (),
     ) -> SamplingMetadata:
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        drawn = [(i, r) for i, r in enumerate(rows) if not r.params.greedy]
-        if not drawn:
-            return cls(None, max(asked) if asked else None)
-        params = [r.params for _, r in drawn]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(values, dtype, device)
-
-        random = RandomRows(
-            rows=tensor([i for i, _ in drawn], torch.int64),
-            temperature=tensor([p.temperature for p in params], torch.float32),
-            top_k=tensor(top_k, torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([r.seed & _MASK63 for _, r in drawn], torch.int64),
-            steps=tensor([r.step for _, r in drawn], torch.int64),
-            max_top_k=max(top_k),
-            use_top_k=any(k < vocab_size for k in top_k),
-            use_top_p=any(p.top_p < 1.0 for p in params),
-            use_min_p=any(p.min_p > 0.0 for p in params),
+        biased = [
+            (i, r.params, r.step)
+            for i, r in enumerate(rows)
+            if r.params.logit_bias or r.step < r.params.min_tokens
+        ]
+        penalised = [
+            (i, r.params, r.output_token_ids or [], r.prompt_mask)
+            for i, r in enumerate(rows)
+            if r.params.has_penalties
+        ]
+        return cls(
+            RandomRows.from_rows(rows, vocab_size, device),
+            max(asked) if asked else None,
+            logit_bias=LogitBias.from_rows(biased, eos_token_ids, vocab_size, device),
+            penalties=Penalties.from_rows(penalised, vocab_size, device),
         )
-        return cls(random, max(asked) if asked else None)
 
 
 @dataclass
@@ -109,13 +145,27 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """One token per row: the argmax, or, for the rows that draw, a token from
-        their filtered distribution; only tokens a row's grammar allows. Logprobs
-        are the model's own, from the logits before any mask."""
-        allowed = logits if md.grammar is None else apply_grammar_bitmask(logits, md.grammar)
+        their filtered distribution; only tokens a row's grammar allows, after
+        its bias and penalties. Logprobs are the model's own, from the logits
+        before any mask."""
+        allowed = adjust_logits(logits, md)
         tokens = allowed.argmax(dim=-1)
         if (r := md.random) is not None:
             tokens[r.rows] = draw(allowed[r.rows], r)
         return SamplerOutput(tokens, compute_logprobs(logits, tokens, md.max_num_logprobs))
+
+
+def adjust_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits as the rows' settings change them: the grammar's mask, then
+    logit_bias and min_tokens, then the penalties (vLLM's order). The model's
+    own logits, not a copy, when no row asks for any."""
+    if md.grammar is not None:
+        logits = apply_grammar_bitmask(logits, md.grammar)
+    if md.logit_bias is not None:
+        logits = apply_logit_bias(logits, md.logit_bias)
+    if md.penalties is not None:
+        logits = apply_penalties(logits, md.penalties)
+    return logits
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:

@@ -75,7 +75,10 @@ class AsyncModelRunner(ModelRunner):
             if PLACEHOLDER in item.token_ids:  # the token its last step sampled
                 ref = self.future.reference(self.future.slots[item.req_id])
                 ids = [ref if t == PLACEHOLDER else t for t in item.token_ids]
-                item = replace(item, token_ids=ids)
+                output = item.output_token_ids  # the same token ends it, for penalties
+                if output is not None:
+                    output = [ref if t == PLACEHOLDER else t for t in output]
+                item = replace(item, token_ids=ids, output_token_ids=output)
             items.append(item)
         return items
 
@@ -84,6 +87,8 @@ class AsyncModelRunner(ModelRunner):
         """Resolve the references before the embedding; store the new tokens after
         sampling. The step before has stored its tokens by then: steps run in order."""
         step.batch.input_ids = self.future.resolve(step.batch.input_ids)
+        if (penalties := step.sampling.penalties) is not None:  # their tokens too
+            penalties.output_token_ids = self.future.resolve(penalties.output_token_ids)
         output = super().execute_prepared(step)
         self.future.store(step.future_slots, output.sampled_token_ids)
         return output

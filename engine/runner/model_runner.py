@@ -23,6 +23,7 @@ from engine.distributed.rank_experts import RankExperts
 from engine.kv.kv_cache import KVCacheConfig, KVCachePool
 from engine.layers.batch_invariant import use_fixed_row_tiles
 from engine.layers.linear import can_pack, pack_linears
+from engine.layers.penalties import prompt_mask
 from engine.layers.sampler import GrammarMask, Sampler, SamplingMetadata, SamplingRow
 from engine.models.loader import load_model
 from engine.outputs import ModelRunnerOutput
@@ -45,6 +46,8 @@ class ModelInput:
     # output tokens, and its drafts, each checked at the row after the one before.
     first_outputs: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
+    # Per request that samples: its output tokens so far if its penalties need them, else None.
+    output_token_ids: list[list[int] | None] = field(default_factory=list)
 
     def num_positions(self) -> list[int]:
         """Per request that samples, its rows of logits: its last token's, and each draft's."""
@@ -86,6 +89,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     seed: int
     num_prompt_tokens: int  # a sampled token's output position is its position less these
+    prompt_mask: torch.Tensor | None = None  # its prompt's tokens, for a repetition penalty
 
 
 class ModelRunner:
@@ -231,6 +235,7 @@ class ModelRunner:
             req_ids,
             [self._first_output(item) for item in sampling],
             [item.draft_token_ids for item in sampling],
+            [item.output_token_ids for item in sampling],
         )
 
     def _first_output(self, item: ScheduledRequest) -> int:
@@ -251,16 +256,26 @@ class ModelRunner:
         fast = self.fast_path is not None and self.fast_path.can_run(batch.meta)
         own = fast and self.fast_path.builds_own_metadata
         attn_metadata = None if own else self.backend.build_metadata(batch.meta)
-        rows = []
-        for req_id, first, drafts in zip(batch.req_ids, batch.first_outputs, batch.drafts):
-            s = self.requests[req_id]
-            rows += [
-                SamplingRow(s.sampling_params, s.seed, first + j) for j in range(1 + len(drafts))
-            ]
-        vocab = self.config.hf_config.vocab_size
-        sampling = SamplingMetadata.from_rows(rows, vocab, self.device)
+        c = self.config.hf_config
+        rows = self._sampling_rows(batch)
+        sampling = SamplingMetadata.from_rows(rows, c.vocab_size, self.device, c.eos_token_ids)
         sampling.grammar = self._grammar_mask(scheduler_output.grammar, batch)
         return PreparedStep(batch, fast, attn_metadata, sampling, drafts=self._draft_check(batch))
+
+    def _sampling_rows(self, batch: ModelInput) -> list[SamplingRow]:
+        """A row per sampled position: its request's settings and random stream, its
+        output position, and for penalties the output before it (drafts included)."""
+        rows = []
+        for req_id, first, drafts, output in zip(
+            batch.req_ids, batch.first_outputs, batch.drafts, batch.output_token_ids
+        ):
+            s = self.requests[req_id]
+            for j in range(1 + len(drafts)):
+                before = None if output is None else output + drafts[:j]
+                rows.append(
+                    SamplingRow(s.sampling_params, s.seed, first + j, before, s.prompt_mask)
+                )
+        return rows
 
     def _draft_check(self, batch: ModelInput) -> DraftCheck | None:
         """What strict-match acceptance compares, on the device; None without drafts."""
@@ -331,6 +346,9 @@ class ModelRunner:
             self.requests.pop(req_id, None)  # an abort may come before its first step
         for new in scheduler_output.new_requests:
             state = CachedRequestState(new.sampling_params, new.seed, new.num_prompt_tokens)
+            if new.sampling_params.repetition_penalty != 1.0:
+                vocab = self.config.hf_config.vocab_size
+                state.prompt_mask = prompt_mask(new.prompt_token_ids, vocab, self.device)
             self.requests[new.req_id] = state
 
 

@@ -183,7 +183,9 @@ class Scheduler:
         self.stats.prefix_cache_hit_tokens += num_cached
         if seq.num_preemptions == 0:  # its first admission: new to the model runner
             seq.num_cached_prompt_tokens = num_cached + num_external
-            new = NewRequestData(seq.request_id, seq.params, seq.seed, seq.num_prompt_tokens)
+            new = NewRequestData(
+                seq.request_id, seq.params, seq.seed, seq.num_prompt_tokens, seq.prompt_token_ids
+            )
             out.new_requests.append(new)
         if load_async:
             return None
@@ -285,13 +287,15 @@ class Scheduler:
         """The next ``n`` tokens of ``seq``, then its drafts, as the model runner reads them."""
         start = seq.num_computed_tokens
         drafts = drafts or []
+        samples = start + n == seq.num_tokens
         return ScheduledRequest(
             seq.request_id,
             seq.token_ids[start : start + n] + drafts,
             start,
             seq.block_table,
-            samples=start + n == seq.num_tokens,
+            samples=samples,
             draft_token_ids=drafts,
+            output_token_ids=seq.output_token_ids if samples and seq.params.has_penalties else None,
         )
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
@@ -394,7 +398,8 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if stop_token and seq.num_output_tokens >= p.min_tokens:  # held back before (vLLM)
             return FinishReason.STOP
         if seq.structured_output is not None and seq.structured_output.is_terminated():
             return FinishReason.STOP  # the grammar is complete

@@ -28,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int  # the request's own random stream (see layers/sampler.py)
     num_prompt_tokens: int  # so that the runner knows each sampled token's output position
+    prompt_token_ids: list[int] = field(default_factory=list)  # for a repetition penalty
 
 
 @dataclass
@@ -43,6 +44,9 @@ class ScheduledRequest:
     # Proposed tokens, the tail of token_ids (only when samples): each is checked
     # against the token sampled at the position before it (sched/scheduler.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Only when it samples and has penalties: its output tokens so far, the newest
+    # perhaps a PLACEHOLDER (async scheduling); None otherwise.
+    output_token_ids: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
