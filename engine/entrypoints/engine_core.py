@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.output_processor import ProcessedOutputs
+from engine.entrypoints.host_memory import HeapTrimmer, bound_onednn_caches
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -72,7 +73,9 @@ _STOP = object()
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        bound_onednn_caches()  # before the model loads (host_memory.py)
         self.engine = LLMEngine(config)  # loads the model: in the caller's thread
+        self.trimmer = HeapTrimmer()
         self.outbox = Outbox()
         self.engine.output_processor = self.outbox
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -130,6 +133,8 @@ class EngineCore:
                     return
             elif applied:  # aborts left the engine idle: say so, blocks freed
                 deliver(CoreBatch([], self._stats()))
+            if not engine.has_unfinished_requests():  # idle: give the heap's free pages back
+                self.trimmer.maybe_trim()
 
     def _apply(self, command: tuple[str, list]) -> None:
         kind, items = command

@@ -1,9 +1,11 @@
-"""Compiling grammars, once per distinct spec, and filling a step's token masks."""
+"""Compiling grammars, once per distinct spec (the most recent few kept), and
+filling a step's token masks."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,6 +22,10 @@ if TYPE_CHECKING:
 
 # xgrammar's errors begin with a time and a C++ source location: keep the message.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+# Compiled grammars kept for reuse, least recently used dropped first: every
+# distinct schema a client sends is a new one, so an unbounded cache would grow
+# with the server's traffic. A request holds its own grammar while it runs.
+MAX_CACHED_GRAMMARS = 128
 
 
 class GrammarHolder(Protocol):
@@ -39,7 +45,7 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's: its embedding rows, which the mask covers
         self.eos_token_ids = list(eos_token_ids)
-        self.grammars: dict[tuple, Any] = {}  # spec -> compiled grammar
+        self.grammars: OrderedDict[tuple, Any] = OrderedDict()  # spec -> compiled grammar
         self._compiler: Any = None
 
     def request_for(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
@@ -54,16 +60,21 @@ class StructuredOutputManager:
         return request
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar of ``params``, compiled on its first use only."""
+        """The compiled grammar of ``params``, compiled unless it is still cached."""
         kind, spec = _spec(params)
         key = (kind, spec, params.disable_any_whitespace)
-        if key not in self.grammars:
-            try:
-                self.grammars[key] = self._compile(kind, spec, params.disable_any_whitespace)
-            except RuntimeError as e:
-                message = _LOCATION.sub("", str(e).strip().splitlines()[0])
-                raise ValueError(f"invalid {kind} for structured output: {message}") from None
-        return self.grammars[key]
+        if key in self.grammars:
+            self.grammars.move_to_end(key)
+            return self.grammars[key]
+        try:
+            grammar = self._compile(kind, spec, params.disable_any_whitespace)
+        except RuntimeError as e:
+            message = _LOCATION.sub("", str(e).strip().splitlines()[0])
+            raise ValueError(f"invalid {kind} for structured output: {message}") from None
+        self.grammars[key] = grammar
+        if len(self.grammars) > MAX_CACHED_GRAMMARS:
+            self.grammars.popitem(last=False)
+        return grammar
 
     def _compile(self, kind: str, spec: str, no_whitespace: bool) -> Any:
         compiler = self.compiler()
