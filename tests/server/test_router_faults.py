@@ -29,7 +29,7 @@ def cluster():
         urls = [a for w in ws for a in ("--worker", w.url)]
         quick = ("--policy", "round-robin", "--health-interval", "0.5")
         slow = ("--policy", "round-robin", "--health-interval", "600")
-        timeouts = ()
+        timeouts = ("--first-byte-timeout", "1.5", "--idle-timeout", "1.5")
         with running(("router", *urls, *quick), ("router", *urls, *slow, *timeouts)) as routers:
             yield ws, *routers
         for w in ws:
