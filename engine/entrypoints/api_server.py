@@ -39,6 +39,7 @@ from engine.entrypoints.protocol import (
     ModelCard,
     ModelList,
 )
+from engine.entrypoints.read_timeouts import BodyTimeout, with_head_timeout
 from engine.entrypoints.serving import OpenAIServing
 
 logger = logging.getLogger("deepinfer.server")
@@ -52,6 +53,8 @@ class ServerConfig:
     max_waiting: int = 1024  # requests without a first token; more are refused with 503
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout: float = 30.0  # on SIGTERM: how long requests in flight may go on
+    head_timeout: float = 60.0  # to send a request's line and headers (read_timeouts.py)
+    body_timeout: float = 60.0  # between two pieces of a request's body
 
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 500, 503)}
@@ -74,6 +77,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.state.llm = llm
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyTimeout, timeout=config.body_timeout)
     app.add_middleware(ApiKey, api_key=config.api_key)
     app.add_middleware(CountResponses, count=metrics.answered)
     app.add_middleware(RequestId)  # added last: runs first
@@ -179,7 +183,10 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, app: FastAPI, config: ServerConfig, **uvicorn_kw: object) -> None:
         timeout = config.shutdown_timeout + self.MARGIN_S
-        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=timeout, **uvicorn_kw))
+        http = with_head_timeout(config.head_timeout)
+        super().__init__(
+            uvicorn.Config(app, http=http, timeout_graceful_shutdown=timeout, **uvicorn_kw)
+        )
         self.llm: AsyncLLM = app.state.llm
         self.shutdown_timeout = config.shutdown_timeout
 

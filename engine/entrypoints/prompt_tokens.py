@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tokenizers import Tokenizer
 
 from engine.entrypoints.errors import bad_request
+from engine.utils import cdiv
 
 # Normalizers that rewrite text without dropping any of it, and by how much they
 # can shrink it at most.
@@ -75,7 +76,7 @@ class PromptTokenizer:
         """A lower bound on the prompt's token count (0 when none can be given)."""
         if self.bytes_per_token is None:
             return 0
-        return -(-len(text.encode()) // self.bytes_per_token)
+        return cdiv(len(text.encode()), self.bytes_per_token)
 
     async def encode(self, text: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(text, list):

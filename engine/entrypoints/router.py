@@ -33,6 +33,7 @@ from engine.entrypoints.chat_template import ChatTemplate, load_chat_template
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.middleware import BodyLimit
 from engine.entrypoints.prompt_tokens import bytes_per_token
+from engine.entrypoints.read_timeouts import BodyTimeout, with_head_timeout
 from engine.entrypoints.relay import WorkerFailed
 from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
 from engine.kv.hashing import chain_root
@@ -57,6 +58,8 @@ class RouterConfig:
     # whole. Meanwhile a worker found stalled by its health check is left at once.
     first_byte_timeout: float = 600.0
     idle_timeout: float = 120.0  # between two pieces of a reply's body
+    head_timeout: float = 60.0  # for clients, as the workers' (read_timeouts.py)
+    body_timeout: float = 60.0
 
 
 class RouterMetrics:
@@ -276,6 +279,7 @@ def build_router(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="DeepInfer router", lifespan=lifespan)
     app.state.router = router
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyTimeout, timeout=config.body_timeout)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, err: OpenAIError) -> Response:
@@ -315,4 +319,5 @@ def run_router(config: RouterConfig, host: str, port: int, log_level: str = "inf
     import uvicorn
 
     logs.configure(log_level)
-    uvicorn.run(build_router(config), host=host, port=port, log_level=log_level)
+    http = with_head_timeout(config.head_timeout)
+    uvicorn.run(build_router(config), host=host, port=port, log_level=log_level, http=http)

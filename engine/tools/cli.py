@@ -95,9 +95,26 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        head_timeout=args.head_timeout,
+        body_timeout=args.body_timeout,
     )
     run_server(config, args.host, args.port, args.log_level)
     return 0
+
+
+def _add_read_timeouts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--head-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may take to send a request's line and headers",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may pause before it gets 408",
+    )
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -115,6 +132,8 @@ def _router(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         first_byte_timeout=args.first_byte_timeout,
         idle_timeout=args.idle_timeout,
+        head_timeout=args.head_timeout,
+        body_timeout=args.body_timeout,
     )
     run_router(config, args.host, args.port, args.log_level)
     return 0
@@ -251,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests without a first token beyond which new ones get 503",
     )
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    _add_read_timeouts(serve)
     serve.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -299,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker takes at most this times the mean load in flight",
     )
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
+    _add_read_timeouts(router)
     router.add_argument("--connect-timeout", type=float, default=2.0, help="seconds")
     router.add_argument(
         "--first-byte-timeout",
