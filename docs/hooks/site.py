@@ -32,6 +32,9 @@ that has neither (a chapter not written yet) stays plain text.
 The experiments page, experiments.md, is generated from snippets/ at build time:
 one row per snippets/chNN/eNN_slug.py, with its title from the first line of its
 docstring and what it imports beyond the standard library.
+
+Appendix B's map of the repository is generated too, by engine/tools/repo_map.py,
+in place of the marker line its page holds.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from mkdocs.utils import get_relative_url
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS_PAGE = "experiments.md"
+MAP_PAGE, MAP_MARKER = "appendix-b-repository-map.md", "<!-- the map, generated -->"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 log = logging.getLogger("mkdocs.hooks.site")
 _errors: list[str] = []
@@ -173,6 +179,16 @@ def on_files(files, config):
     content = experiments_markdown(_experiments, docs)
     files.append(File.generated(config, EXPERIMENTS_PAGE, content=content))
     return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if page.file.src_uri != MAP_PAGE:
+        return markdown
+    from engine.tools.repo_map import markdown as repo_map  # reads the source; no torch
+
+    if MAP_MARKER not in markdown:
+        raise PluginError(f"{MAP_PAGE} has lost its marker line {MAP_MARKER!r}")
+    return markdown.replace(MAP_MARKER, repo_map(ROOT))
 
 
 def _label(page) -> str | None:

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine.tools import import_graph
+from engine.tools.import_graph import runtime_imports
 from tests.conftest import ROOT
 
 ENGINE = ROOT / "engine"
@@ -40,44 +42,7 @@ def modules(under: Path) -> list[Path]:
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def runtime_imports(path: Path, known: set[str]) -> set[str]:
-    """The engine modules a file imports when it runs: at any depth, inside
-    functions too, but not under ``if TYPE_CHECKING:``. ``from a import b``
-    imports the module ``a.b`` when there is one, else ``a``."""
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
-                for stmt in child.orelse:
-                    visit_one(stmt)
-            else:
-                visit_one(child)
-
-    def visit_one(node: ast.AST) -> None:
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name in known)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                if sub in known:
-                    found.add(sub)
-                elif node.module in known:
-                    found.add(node.module)
-        visit(node)
-
-    visit(ast.parse(path.read_text(), filename=str(path)))
-    return found
+    return import_graph.module_name(path, ROOT)
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
