@@ -25,6 +25,11 @@ export CHROMIUM ?= /usr/bin/chromium
 # Material prints a notice about MkDocs 2 on every build; the book pins MkDocs 1.
 export NO_MKDOCS_2_WARNING := 1
 
+# Pyodide, which runs the standard-library experiments in the reader's browser: from
+# the npm registry, into build/, and served by the site itself (docs/hooks/run_in_page.py).
+PYODIDE_VERSION ?= 314.0.8
+PYODIDE := build/pyodide/.installed-$(PYODIDE_VERSION)
+
 .PHONY: serve build test snippets regen lint chromium clean pdf mutate
 
 $(BIN)/python:
@@ -49,16 +54,30 @@ $(VENV)/.all: pyproject.toml $(VENV)/.docs
 	$(BIN)/python -m engine.csrc
 	touch $@
 
-serve: $(VENV)/.docs
+serve: $(VENV)/.docs $(PYODIDE)
 	$(BIN)/mkdocs serve -a 127.0.0.1:8000
 
-build: $(VENV)/.docs
+build: $(VENV)/.docs $(PYODIDE)
 	$(BIN)/mkdocs build --strict
+
+# npm comes with Node.js; where it is missing and we may (root), Debian's is installed.
+# Without it the site still builds, and each Run button gives its command instead.
+$(PYODIDE):
+	@if ! command -v npm >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null) \
+	    || echo "note: could not install npm with apt-get"; \
+	fi
+	@if command -v npm >/dev/null; then \
+	  npm install --no-save --no-audit --no-fund --silent --prefix build/pyodide \
+	    pyodide@$(PYODIDE_VERSION) && touch $@; \
+	else \
+	  echo "note: npm is missing: the site is built without Pyodide, and Run buttons give commands"; \
+	fi
 
 # Builds the site into site/ with its print page, and prints that page with
 # Chromium to site/inside-deepinfer.pdf, which every page's footer then links.
 # A plain `make build` has neither the print page nor the link.
-pdf: $(VENV)/.pdf chromium
+pdf: $(VENV)/.pdf $(PYODIDE) chromium
 	$(BIN)/python docs/tools/pdf.py --site-dir site
 
 # The browser test drives a system Chromium; install it when it is missing and
@@ -73,7 +92,7 @@ chromium:
 	  fi; \
 	fi
 
-test: $(VENV)/.all chromium
+test: $(VENV)/.all $(PYODIDE) chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # mutmut's settings (the modules, the tests) are [tool.mutmut] in pyproject.toml.
