@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class EngineConfig:
     num_redundant_experts: int = 0
     # How long a collective may wait for a rank before the engine gives up on it.
     distributed_timeout_s: float = 60.0
+    # Speculative decoding (engine/spec_decode/): a SpeculativeConfig, or its
+    # vLLM-shaped dict or JSON text; None: none.
+    speculative_config: SpeculativeConfig | dict | str | None = None
     hf_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +90,11 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
         self._check_expert_parallel()
+        self._check_speculative()
+        self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """What batch-invariant mode cannot run on yet."""
         if self.batch_invariant and self.attention_backend == "cpu":
             raise ValueError(
                 "batch_invariant=True needs attention_backend 'torch' or 'triton': the 'cpu' "
@@ -127,6 +136,19 @@ class EngineConfig:
             )
         if (ep > 1 or self.enable_eplb) and self.async_scheduling:
             raise ValueError("expert parallelism and EPLB need async_scheduling=False")
+
+    def _check_speculative(self) -> None:
+        """Parse speculative_config (ValueError if bad), and refuse what it cannot do."""
+        if self.speculative_config is None:
+            return
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.async_scheduling:
+            raise ValueError(
+                "speculative_config needs async_scheduling=False: a step's drafts are "
+                "proposed from the request's newest token, which one-step-ahead scheduling "
+                "has not seen yet, and the step after a verify depends on how many "
+                "drafts it accepted"
+            )
 
     def _default_backend(self) -> str:
         """Triton's kernels on a GPU. On the CPU, the C++ decode operator when it

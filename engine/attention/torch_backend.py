@@ -123,12 +123,14 @@ class TorchBackend(TorchLatents):
         # --8<-- [end:decode_groups]
         return groups
 
-    def prefill_chunks(self, meta: AttentionMetadata) -> list[PrefillChunk]:
+    def prefill_chunks(
+        self, meta: AttentionMetadata, seqs: list[int] | None = None
+    ) -> list[PrefillChunk]:
         d, block_size = meta.num_decodes, self.block_size
         tables = meta.block_tables.clamp(min=0).long()
         chunks = []
         starts = list(accumulate(meta.query_lens_cpu, initial=0))  # on the host: no GPU wait
-        for i in range(d, len(meta.query_lens_cpu)):
+        for i in range(d, len(meta.query_lens_cpu)) if seqs is None else seqs:
             n, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
             if n == ctx:  # no cached prefix: attend over the new tokens themselves
                 chunks.append(PrefillChunk(starts[i], n, None, None))

@@ -28,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec_decode.factory import make_proposer
 from engine.structured_output import StructuredOutputManager
 
 Prompt = str | list[int]
@@ -62,6 +63,7 @@ class LLMEngine:
             self.stats,
             eos_token_ids=config.hf_config.eos_token_ids,
             max_model_len=self.max_model_len,
+            proposer=make_proposer(config.speculative_config),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(

@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counts (vLLM's spec_decode metrics): a verify step
+    is one request's step that carried drafts."""
+
+    num_drafts: int = 0  # verify steps
+    num_draft_tokens: int = 0  # tokens proposed and checked
+    num_accepted_tokens: int = 0
+    # accepted_lengths[n]: verify steps that accepted n drafts (a histogram)
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """One request's verify step."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_lengths) <= num_accepted:
+            self.accepted_lengths += [0] * (num_accepted + 1 - len(self.accepted_lengths))
+        self.accepted_lengths[num_accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step: the accepted drafts and the one token after them."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -32,3 +63,10 @@ class EngineStats:
     expert_slot_tokens: torch.Tensor | None = None
     ep_dispatch_bytes: list[int] | None = None
     ep_combine_bytes: list[int] | None = None
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    @property
+    def forwards_per_output_token(self) -> float:
+        """Target forward passes (steps) per generated token: 1 or more without
+        speculation at batch 1, below 1 when drafts are accepted (0 before any)."""
+        return self.steps / self.generated_tokens if self.generated_tokens else 0.0

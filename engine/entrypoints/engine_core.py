@@ -10,6 +10,7 @@ step itself is the engine's own, unchanged.
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.output_processor import ProcessedOutputs
+from engine.core.stats import SpecDecodeStats
 from engine.entrypoints.host_memory import HeapTrimmer, bound_onednn_caches
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
@@ -57,6 +59,10 @@ class CoreStats:
     num_waiting: int
     kv_cache_usage: float  # share of the cache's blocks that requests hold
     num_preemptions: int  # since start
+    # Speculative decoding's counts since start (a copy), and target forward
+    # passes per generated token since start.
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    forwards_per_output_token: float = 0.0
 
 
 @dataclass
@@ -171,4 +177,6 @@ class EngineCore:
             num_waiting=len(scheduler.waiting),
             kv_cache_usage=(total - blocks.num_free_blocks) / total,
             num_preemptions=self.engine.stats.preemptions,
+            spec_decode=copy.deepcopy(self.engine.stats.spec_decode),
+            forwards_per_output_token=self.engine.stats.forwards_per_output_token,
         )

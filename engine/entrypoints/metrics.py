@@ -5,7 +5,8 @@ time to first token from the request's arrival, inter-token latency between a
 request's successive outputs, end-to-end latency to its last; and, from the
 times of the scheduler's events, queue time (arrival to first scheduled),
 prefill time (scheduled to first token) and decode time (first token to last). The engine core's
-state (running, waiting, cache usage, preemptions) comes with each step.
+state (running, waiting, cache usage, preemptions, speculative decoding's
+counts) comes with each step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from engine.entrypoints.engine_core import CoreStats
+from engine.entrypoints.spec_metrics import SpecDecodeMetrics
 
 disable_created_metrics()  # no *_created series: a scrape shows only what was measured
 
@@ -84,6 +86,7 @@ class ServerMetrics:
         self.rejected = make(Counter, "request_rejected", "Requests refused: too many waiting.")
         self.failed = make(Counter, "request_failed", "Requests failed by the engine.")
         self.http = make(Counter, "http_requests", "HTTP requests answered.", ("handler", "status"))
+        self.spec = SpecDecodeMetrics(make)
         self._labels = labels
         self._preemptions_seen = 0
         self._queried = self._hit = 0
@@ -111,3 +114,4 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
+        self.spec.update(stats)

@@ -24,7 +24,15 @@ from engine.kv.kv_cache import KVCacheConfig, KVCachePool
 from engine.layers.batch_invariant import use_fixed_row_tiles
 from engine.layers.linear import can_pack, pack_linears
 from engine.layers.penalties import prompt_mask
-from engine.layers.sampler import GrammarMask, Sampler, SamplingMetadata, SamplingRow
+from engine.layers.sampler import (
+    GrammarMask,
+    RandomRows,
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    adjust_logits,
+    compute_logprobs,
+)
 from engine.models.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode, can_compile
@@ -32,6 +40,7 @@ from engine.runner.cuda_graph import CUDAGraphRunner
 from engine.runner.fast_path import DecodeFastPath
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler_output import GrammarOutput, ScheduledRequest, SchedulerOutput
+from engine.spec_decode.rejection_sampler import SampledDrafts, verify_sampled
 from engine.utils import cdiv, to_device
 
 
@@ -48,6 +57,8 @@ class ModelInput:
     drafts: list[list[int]] = field(default_factory=list)
     # Per request that samples: its output tokens so far if its penalties need them, else None.
     output_token_ids: list[list[int] | None] = field(default_factory=list)
+    # Per request that samples: the q its drafts were drawn from, or None (one-hot).
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
 
     def num_positions(self) -> list[int]:
         """Per request that samples, its rows of logits: its last token's, and each draft's."""
@@ -61,6 +72,8 @@ class DraftCheck:
 
     drafts: torch.Tensor  # [requests, max drafts] int64
     rows: torch.Tensor  # [requests, max drafts] int64 indices into the sampled tokens
+    # The sampled requests whose drafts carry q: the rejection sampler's (spec_decode/).
+    sampled: SampledDrafts | None = None
 
     def num_accepted(self, sampled: torch.Tensor) -> torch.Tensor:
         """Strict match, left to right: drafts accepted until the first that differs
@@ -236,6 +249,7 @@ class ModelRunner:
             [self._first_output(item) for item in sampling],
             [item.draft_token_ids for item in sampling],
             [item.output_token_ids for item in sampling],
+            [item.draft_probs for item in sampling],
         )
 
     def _first_output(self, item: ScheduledRequest) -> int:
@@ -260,7 +274,8 @@ class ModelRunner:
         rows = self._sampling_rows(batch)
         sampling = SamplingMetadata.from_rows(rows, c.vocab_size, self.device, c.eos_token_ids)
         sampling.grammar = self._grammar_mask(scheduler_output.grammar, batch)
-        return PreparedStep(batch, fast, attn_metadata, sampling, drafts=self._draft_check(batch))
+        drafts = self._draft_check(batch, rows)
+        return PreparedStep(batch, fast, attn_metadata, sampling, drafts=drafts)
 
     def _sampling_rows(self, batch: ModelInput) -> list[SamplingRow]:
         """A row per sampled position: its request's settings and random stream, its
@@ -277,17 +292,46 @@ class ModelRunner:
                 )
         return rows
 
-    def _draft_check(self, batch: ModelInput) -> DraftCheck | None:
-        """What strict-match acceptance compares, on the device; None without drafts."""
+    def _draft_check(self, batch: ModelInput, rows: list[SamplingRow]) -> DraftCheck | None:
+        """What acceptance compares, on the device; None without drafts. ``rows``:
+        the step's sampling rows, whose settings the rejection sampler's p needs."""
         width = max((len(d) for d in batch.drafts), default=0)
         if width == 0:
             return None
-        drafts, rows, start = [], [], 0
+        drafts, check_rows, start = [], [], 0
         for n, d in zip(batch.num_positions(), batch.drafts):
             drafts.append(d + [-1] * (width - len(d)))
-            rows.append([start + min(j, n - 1) for j in range(width)])
+            check_rows.append([start + min(j, n - 1) for j in range(width)])
             start += n
-        return DraftCheck(self._tensor(drafts, torch.int64), self._tensor(rows, torch.int64))
+        check = DraftCheck(self._tensor(drafts, torch.int64), self._tensor(check_rows, torch.int64))
+        check.sampled = self._sampled_drafts(batch, rows, check_rows)
+        return check
+
+    def _sampled_drafts(
+        self, batch: ModelInput, rows: list[SamplingRow], check_rows: list[list[int]]
+    ) -> SampledDrafts | None:
+        """The drafts with a q of the requests that draw (a greedy one's strict
+        match is already the rejection rule); None if there are none."""
+        picked = [
+            i
+            for i, (req_id, q) in enumerate(zip(batch.req_ids, batch.draft_probs))
+            if q is not None and not self.requests[req_id].sampling_params.greedy
+        ]
+        if not picked:
+            return None
+        width, vocab = len(check_rows[0]), self.config.hf_config.vocab_size
+        probs = torch.zeros(len(picked), width, vocab, device=self.device)
+        for r, i in enumerate(picked):
+            probs[r, : len(batch.drafts[i])] = batch.draft_probs[i].to(self.device, torch.float32)
+        positions = [rows[j] for i in picked for j in check_rows[i]]
+        return SampledDrafts(
+            index=self._tensor(picked, torch.int64),
+            rows=self._tensor([check_rows[i] for i in picked], torch.int64),
+            drafts=self._tensor([pad(batch.drafts[i], width) for i in picked], torch.int64),
+            num_drafts=self._tensor([len(batch.drafts[i]) for i in picked], torch.int64),
+            probs=probs,
+            filters=RandomRows.from_rows(positions, vocab, self.device),
+        )
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> torch.Tensor:
@@ -320,9 +364,12 @@ class ModelRunner:
         if step.drafts is None:
             return ModelRunnerOutput(batch.req_ids, tokens, sampled.logprobs)
         accepted = step.drafts.num_accepted(tokens)
-        return ModelRunnerOutput(
-            batch.req_ids, tokens, sampled.logprobs, batch.num_positions(), accepted
-        )
+        logprobs = sampled.logprobs
+        if (sd := step.drafts.sampled) is not None:  # drafts drawn from a q: spec_decode/
+            allowed = adjust_logits(logits, step.sampling)
+            tokens, accepted = verify_sampled(allowed, tokens, accepted, sd)
+            logprobs = compute_logprobs(logits, tokens, step.sampling.max_num_logprobs)
+        return ModelRunnerOutput(batch.req_ids, tokens, logprobs, batch.num_positions(), accepted)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: prepare its inputs, then run it."""
@@ -330,14 +377,15 @@ class ModelRunner:
 
     def _grammar_mask(self, grammar: GrammarOutput | None, batch: ModelInput) -> GrammarMask | None:
         """The step's grammar masks, on the device, with the rows they belong to:
-        each request's first (a request under a grammar carries no drafts)."""
+        a request's first mask is for its first sampled row, each next one for
+        the row after (its drafts' positions, in order)."""
         if grammar is None:
             return None
         starts = [0]
         for n in batch.num_positions():
             starts.append(starts[-1] + n)
         row = dict(zip(batch.req_ids, starts))
-        rows = self._tensor([row[req_id] for req_id in grammar.req_ids], torch.int64)
+        rows = self._tensor(grammar_rows(grammar.req_ids, row), torch.int64)
         return GrammarMask(rows, grammar.bitmask.to(self.device, non_blocking=True))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -350,6 +398,22 @@ class ModelRunner:
                 vocab = self.config.hf_config.vocab_size
                 state.prompt_mask = prompt_mask(new.prompt_token_ids, vocab, self.device)
             self.requests[new.req_id] = state
+
+
+def grammar_rows(req_ids: list[str], first_row: dict[str, int]) -> list[int]:
+    """The sampled row of each mask: a request's k-th mask is for the k-th row
+    after its first."""
+    seen: dict[str, int] = {}
+    rows = []
+    for req_id in req_ids:
+        seen[req_id] = seen.get(req_id, -1) + 1
+        rows.append(first_row[req_id] + seen[req_id])
+    return rows
+
+
+def pad(drafts: list[int], width: int) -> list[int]:
+    """A request's drafts padded with token 0 to ``width`` (its count masks the rest)."""
+    return drafts + [0] * (width - len(drafts))
 
 
 def is_decode(item: ScheduledRequest, query_len: int) -> bool:

@@ -36,6 +36,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
 from engine.sched.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode.proposer import NO_DRAFT, Draft
 
 
 @dataclass
@@ -86,14 +87,14 @@ class AsyncScheduler(Scheduler):
 
     # --8<-- [end:schedule_ahead]
 
-    def _propose(self) -> dict[str, list[int]]:
+    def _propose(self) -> dict[str, Draft]:
         """Drafts would have to be checked against tokens still in flight."""
         if any(super()._propose().values()):
             raise ValueError("draft tokens need async_scheduling=False")
         return {}
 
     @staticmethod
-    def _scheduled(seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled(seq: Sequence, n: int, drafts: Draft = NO_DRAFT) -> ScheduledRequest:
         item = Scheduler._scheduled(seq, n, drafts)
         # The step runs while the scheduler goes on changing its own lists: the
         # step gets a block table of its own.

@@ -24,7 +24,6 @@ from bisect import insort
 from collections import deque
 from collections.abc import Collection
 from itertools import count
-from typing import Protocol
 
 from engine.attention.metadata import decode_query_len
 from engine.core.stats import EngineStats
@@ -40,15 +39,7 @@ from engine.outputs import (
 )
 from engine.sched.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-
-
-class DraftProposer(Protocol):
-    """Guesses of the tokens that follow some decoding sequences, for the model to
-    check in the same step as their newest token (speculative decoding)."""
-
-    def propose(self, seqs: list[Sequence]) -> dict[str, list[int]]:
-        """Drafts by request id; a sequence left out gets none."""
-        ...
+from engine.spec_decode.proposer import NO_DRAFT, Draft, DraftProposer
 
 
 class Scheduler:
@@ -113,7 +104,7 @@ class Scheduler:
             if n == 0:  # its last token is still being computed (async_scheduler.py)
                 i += 1
                 continue
-            drafts = self._drafts(seq, n, budget, proposed.get(seq.request_id, []))
+            drafts = self._drafts(seq, n, budget, proposed.get(seq.request_id, NO_DRAFT))
             if not self._reserve(seq, n + len(drafts), out):
                 break  # seq was the newest left, and preempted itself
             self._publish(seq, n)
@@ -144,26 +135,27 @@ class Scheduler:
         """The tokens of a running sequence whose keys and values are not in the cache."""
         return seq.num_tokens - seq.num_computed_tokens
 
-    def _propose(self) -> dict[str, list[int]]:
+    def _propose(self) -> dict[str, Draft]:
         """Ask the proposer for drafts for the sequences about to decode."""
         if self.proposer is None:
             return {}
         decoding = [s for s in self.running if s.num_output_tokens and self._num_new_tokens(s) == 1]
         return self.proposer.propose(decoding) if decoding else {}
 
-    def _drafts(self, seq: Sequence, n: int, budget: int, drafts: list[int]) -> list[int]:
+    def _drafts(self, seq: Sequence, n: int, budget: int, drafts: Draft) -> Draft:
         """The drafts ``seq`` checks this step: only after its newest token, within
         the token budget and the model's length, and no more than would reach
-        max_tokens with the token sampled after them. None under a grammar, which
-        would have to accept each draft before the next one's mask."""
+        max_tokens with the token sampled after them. Under a grammar, only the
+        drafts it accepts (each verified position then gets its own mask)."""
         if not drafts or seq.num_computed_tokens + n != seq.num_tokens:
-            return []
-        if seq.structured_output is not None:  # see the docstring
-            return []
+            return NO_DRAFT
+        if (grammar := seq.structured_output) is not None:
+            grammar.catch_up(seq.output_token_ids)
+            drafts = drafts.head(grammar.draft_prefix(drafts.token_ids))
         room = min(budget - n, seq.params.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.num_tokens - 1)
-        return list(drafts[: max(room, 0)])
+        return drafts.head(max(room, 0))
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
         """Start (or resume) a waiting sequence, reusing any cached prefix blocks,
@@ -283,19 +275,19 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, end)
 
     @staticmethod
-    def _scheduled(seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled(seq: Sequence, n: int, drafts: Draft = NO_DRAFT) -> ScheduledRequest:
         """The next ``n`` tokens of ``seq``, then its drafts, as the model runner reads them."""
         start = seq.num_computed_tokens
-        drafts = drafts or []
         samples = start + n == seq.num_tokens
         return ScheduledRequest(
             seq.request_id,
-            seq.token_ids[start : start + n] + drafts,
+            seq.token_ids[start : start + n] + drafts.token_ids,
             start,
             seq.block_table,
             samples=samples,
-            draft_token_ids=drafts,
+            draft_token_ids=drafts.token_ids,
             output_token_ids=seq.output_token_ids if samples and seq.params.has_penalties else None,
+            draft_probs=drafts.probs,
         )
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
@@ -393,6 +385,7 @@ class Scheduler:
         computed = seq.num_computed_tokens + item.num_new_tokens - rejected
         seq.num_computed_tokens = min(computed, seq.num_tokens)
         if item.num_drafts:
+            self.stats.spec_decode.observe(item.num_drafts, item.num_drafts - rejected)
             self.block_manager.free_tail(seq, seq.num_computed_tokens)
         self.block_manager.cache_full_blocks(seq)
 

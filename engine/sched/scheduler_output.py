@@ -47,6 +47,9 @@ class ScheduledRequest:
     # Only when it samples and has penalties: its output tokens so far, the newest
     # perhaps a PLACEHOLDER (async scheduling); None otherwise.
     output_token_ids: list[int] | None = None
+    # The distribution each draft was drawn from ([drafts, vocab]), for the
+    # rejection sampler; None for a deterministic proposer's (one-hot).
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -62,7 +65,9 @@ class ScheduledRequest:
 class GrammarOutput:
     """The token masks of the step's rows that sample under a grammar."""
 
-    req_ids: list[str]  # row i of the bitmask belongs to req_ids[i]
+    # Row i of the bitmask belongs to req_ids[i]; a request with drafts has a row
+    # per verified position, one after the other, in order.
+    req_ids: list[str]
     bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32, on the host
 
 

@@ -107,17 +107,22 @@ class StructuredOutputManager:
         self, scheduler_output: SchedulerOutput, requests: Mapping[str, GrammarHolder]
     ) -> None:
         """Set ``scheduler_output.grammar``: the tokens allowed to every row that
-        samples under a grammar this step, from every token it has so far. Bit j
+        samples under a grammar this step, from every token it has so far, and
+        after each of its drafts in turn (a row per verified position). Bit j
         of word w of a row allows token 32 * w + j."""
         req_ids = self.requests_needing_tokens(scheduler_output, requests)
         if not req_ids:
             return
-        bitmask = self.empty_bitmask(len(req_ids))
-        for row, req_id in enumerate(req_ids):
+        drafts = {item.req_id: item.draft_token_ids for item in scheduler_output.scheduled}
+        bitmask = self.empty_bitmask(sum(1 + len(drafts[r]) for r in req_ids))
+        row, row_ids = 0, []
+        for req_id in req_ids:
             seq = requests[req_id]
             seq.structured_output.catch_up(seq.output_token_ids)
-            seq.structured_output.fill_bitmask(bitmask, row)
-        scheduler_output.grammar = GrammarOutput(req_ids, bitmask)
+            seq.structured_output.fill_bitmasks(bitmask, row, drafts[req_id])
+            row_ids += [req_id] * (1 + len(drafts[req_id]))
+            row += 1 + len(drafts[req_id])
+        scheduler_output.grammar = GrammarOutput(row_ids, bitmask)
 
     def empty_bitmask(self, rows: int) -> torch.Tensor:
         """Room for ``rows`` masks over the model's vocabulary, nothing allowed yet."""

@@ -64,3 +64,34 @@ class StructuredOutputRequest:
         if n:
             self.matcher.rollback(n)
         return n
+
+    def draft_prefix(self, tokens: list[int]) -> int:
+        """How many of a draft's ``tokens``, in order, the grammar accepts from
+        here without completing, the state left unchanged: the drafts a verify
+        step may check (the token that completes the grammar the model samples
+        itself, since no mask follows a complete grammar)."""
+        n = 0
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                self.matcher.rollback(1)
+                n -= 1
+                break
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def fill_bitmasks(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows ``row``, ``row + 1``, ...: the tokens allowed next, then after each
+        draft in turn (every one of them a prefix draft_prefix accepted), the
+        state left unchanged. Each verified position is masked as if the drafts
+        before it were accepted, which is the only case its token is kept in."""
+        self.fill_bitmask(bitmask, row)
+        for i, token in enumerate(drafts):
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"draft token {token} breaks the grammar")
+            self.fill_bitmask(bitmask, row + 1 + i)
+        if drafts:
+            self.matcher.rollback(len(drafts))

@@ -7,6 +7,8 @@
     deepinfer generate/bench ... --expert-parallel-size N [--eplb]
                                                    a MoE model's experts over N processes
     deepinfer bench --serve --model PATH ...       the same workload, over HTTP and offline
+    deepinfer bench --model PATH --speculative-config JSON
+                                                   speculative decoding against none
     deepinfer edition check [PATH]                 does this checkout match the book?
 
 Each subcommand imports what it needs when it runs, so `edition check` works
@@ -43,6 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         compile_decode=args.compile_decode,
+        speculative_config=args.speculative_config,
         **_expert_parallel(args),
     )
     params = SamplingParams(
@@ -82,6 +85,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         compile_decode=compile_decode,
         batch_invariant=args.batch_invariant,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -158,6 +162,8 @@ def _bench(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    if args.speculative_config is not None:
+        return _spec_bench(args, int(high or low))
     from engine.tools.bench import run
 
     print(
@@ -178,6 +184,37 @@ def _bench(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _spec_bench(args: argparse.Namespace, input_len: int) -> int:
+    """Speculation against none (engine/tools/spec_bench.py), at --spec-batches."""
+    from engine.tools.spec_bench import run
+
+    batches = [int(b) for b in args.spec_batches.split(",")]
+    print(
+        run(
+            args.model,
+            args.speculative_config,
+            batches,
+            input_len,
+            args.output_len,
+            repeats=args.repeats,
+            device=args.device,
+            dtype=args.dtype,
+            compile_decode=args.compile_decode,
+        )
+    )
+    return 0
+
+
+def _add_speculative(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (prompt_lookup_min, prompt_lookup_max)',
+    )
 
 
 def _expert_parallel(args: argparse.Namespace) -> dict:
@@ -245,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype(gen)
     _add_compile(gen, default=False)
     gen.add_argument("--max-model-len", type=int, default=None)
+    _add_speculative(gen)
     _add_expert_parallel(gen)
     gen.set_defaults(func=_generate)
 
@@ -293,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request's greedy tokens do not depend on the rest of the batch (slower)",
     )
     serve.add_argument("--seed", type=int, default=0)
+    _add_speculative(serve)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
@@ -376,6 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also load this model and compare its KV bytes per token (repeatable)",
     )
     _add_expert_parallel(bench)
+    _add_speculative(bench)
+    bench.add_argument(
+        "--spec-batches",
+        default="1,32",
+        help="with --speculative-config: the batch sizes to compare at, A,B,... "
+        "(prompts of the --input-len upper bound, from the book and random)",
+    )
     bench.set_defaults(func=_bench)
 
     edition = sub.add_parser("edition", help="compare a checkout with the book's edition")

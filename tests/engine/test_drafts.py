@@ -23,6 +23,7 @@ from engine.runner.model_runner import DraftCheck
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec_decode import Draft
 from tests.engine.conftest import EOS, VOCAB, random_prompts
 
 PROMPTS = random_prompts(4, seed=21, low=3, high=20)
@@ -37,16 +38,16 @@ class ReferenceProposer:
         self.outputs, self.k, self.right = outputs, k, right
         self.proposed = 0
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, list[int]]:
+    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
         drafts = {}
         for seq in seqs:
             ref = self.outputs[tuple(seq.prompt_token_ids)]
             o = seq.num_output_tokens
             assert seq.output_token_ids == ref[:o], "a draft was accepted wrongly"
             nxt = ref[o : o + self.k]
-            drafts[seq.request_id] = [
-                t if i < self.right else (t + 1) % VOCAB for i, t in enumerate(nxt)
-            ]
+            drafts[seq.request_id] = Draft(
+                [t if i < self.right else (t + 1) % VOCAB for i, t in enumerate(nxt)]
+            )
             self.proposed += len(drafts[seq.request_id])
         return drafts
 
@@ -119,8 +120,8 @@ class Fixed:
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, list[int]]:
-        return {seq.request_id: self.drafts for seq in seqs}
+    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+        return {seq.request_id: Draft(self.drafts) for seq in seqs}
 
 
 def fold(sched: Scheduler, rows: dict[str, list[int]]):

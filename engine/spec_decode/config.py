@@ -1,0 +1,81 @@
+"""`speculative_config`, shaped like vLLM's: which proposer, and how many drafts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+METHODS = ("ngram", "draft_model", "mtp")
+NOT_BUILT = ("draft_model", "mtp")  # Chapter 5's part 2
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``num_speculative_tokens`` is k, the most drafts any request verifies in a
+    step. The n-gram proposer matches suffixes of prompt_lookup_min to
+    prompt_lookup_max tokens; ``model`` names a draft model's folder."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {', '.join(METHODS)}, "
+                f"got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be >= 1, got {k!r}")
+        self._check_lookup()
+        self._check_model()
+        if self.method in NOT_BUILT:
+            raise ValueError(f"speculative_config method {self.method!r} is not implemented yet")
+
+    def _check_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (lo, hi)):
+            raise ValueError("speculative_config prompt_lookup_min and _max must be integers")
+        if lo < 1 or lo > hi:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got {lo} and {hi}"
+            )
+
+    def _check_model(self) -> None:
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config method 'ngram' takes no model")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config method 'draft_model' needs a model")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ValueError(f"speculative_config model {self.model!r} is not a directory")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM-shaped keys; an unknown key is an error that names it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key {unknown[0]!r}")
+        if "method" not in values or "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**values)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """A config, its dict, or its JSON text (as --speculative-config takes it)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"speculative_config is not valid JSON: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        return cls.from_dict(value)

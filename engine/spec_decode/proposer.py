@@ -1,0 +1,44 @@
+"""The interface between a draft proposer and the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposer's guess of the tokens after a sequence's newest one.
+
+    ``probs`` is q, row j the distribution ``token_ids[j]`` was drawn from
+    ([len(token_ids), vocab], on the model's device); None for a deterministic
+    proposer (n-gram), whose q is one-hot at each draft. The rejection sampler
+    needs q to keep a sampled request's distribution the target's own."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def head(self, n: int) -> Draft:
+        """The first ``n`` drafts (and their rows of q)."""
+        probs = None if self.probs is None else self.probs[:n]
+        return Draft(self.token_ids[:n], probs)
+
+
+NO_DRAFT = Draft([])
+
+
+class DraftProposer(Protocol):
+    """Guesses of the tokens that follow some decoding sequences, for the model to
+    check in the same step as their newest token (speculative decoding)."""
+
+    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+        """Drafts by request id; a sequence left out gets none."""
+        ...
