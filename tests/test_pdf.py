@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.tools import repo_map
 from tests.conftest import ARTIFACTS, ROOT, load_script
 
 pytestmark = pytest.mark.browser
@@ -65,6 +66,7 @@ def test_pdf_has_every_chapter_and_draws_every_diagram(printed) -> None:
     fences = [
         f for md in sorted((ROOT / "docs").glob("*.md")) for f in FENCE.findall(md.read_text())
     ]
+    fences += FENCE.findall(repo_map.markdown(ROOT))  # Appendix B's, generated at build time
     assert printed.diagrams == len(fences), "every Mermaid block reaches the print page, drawn"
     labels = [words(next(g for g in m.groups() if g)) for f in fences for m in LABEL.finditer(f)]
     assert len(labels) > 20
