@@ -8,9 +8,12 @@ let worker = null;
 let nextId = 0;
 const pending = new Map();
 
+// The site's root, from this script's own address (assets/javascripts/): the
+// page's relative base would go stale under Material's instant navigation.
+const SITE_ROOT = new URL("../../", document.currentScript.src);
+
 function siteBase() {
-  const config = JSON.parse(document.getElementById("__config").textContent);
-  return new URL(config.base.endsWith("/") ? config.base : config.base + "/", location.href);
+  return SITE_ROOT;
 }
 
 function run(base, source, path) {
