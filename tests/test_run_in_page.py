@@ -7,6 +7,7 @@ demos give the command that runs them instead."""
 from __future__ import annotations
 
 import json
+import sys
 from urllib.parse import urlparse
 
 import pytest
@@ -21,16 +22,16 @@ BOOT_MS = 120_000  # Pyodide's first start on a loaded 2-core machine
 
 def first_experiment_per_chapter() -> dict[str, str]:
     """Chapter page -> its first standard-library experiment."""
+    stdlib = set(sys.stdlib_module_names)
     pages = {int(p.name[2:4]): p.stem for p in (ROOT / "docs").glob("ch[0-9][0-9]-*.md")}
     chosen: dict[str, str] = {}
     for rel in RUNNER.discover():
         m = RUNNER.EXPERIMENT.match(rel)
-        if m and not (RUNNER.imported_modules(rel) - {"__future__"}) - STDLIB:
+        if m and not (RUNNER.imported_modules(rel) - {"__future__"}) - stdlib:
             chosen.setdefault(pages[int(m["chapter"])], rel)
     return chosen
 
 
-STDLIB = set(__import__("sys").stdlib_module_names)
 CHOSEN = first_experiment_per_chapter()
 
 

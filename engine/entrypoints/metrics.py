@@ -101,8 +101,10 @@ class ServerMetrics:
     def answered(self, path: str, status: int) -> None:
         """One HTTP response; paths the server does not serve count as one, so
         that a scan of random URLs cannot grow the label set."""
-        handler = path if path in HANDLERS or path.startswith("/v1/models/") else "other"
-        handler = "/v1/models/{id}" if handler.startswith("/v1/models/") else handler
+        if path.startswith("/v1/models/"):
+            handler = "/v1/models/{id}"
+        else:
+            handler = path if path in HANDLERS else "other"
         self.http.labels(**self._labels, handler=handler, status=str(status)).inc()
 
     def finished(self, reason: str) -> None:

@@ -74,9 +74,11 @@ class PromptTokenizer:
 
     def at_least(self, text: str) -> int:
         """A lower bound on the prompt's token count (0 when none can be given)."""
-        if self.bytes_per_token is None:
-            return 0
-        return cdiv(len(text.encode()), self.bytes_per_token)
+        return self._at_least(len(text.encode()))
+
+    def _at_least(self, size: int) -> int:
+        """The bound for a prompt of ``size`` UTF-8 bytes."""
+        return 0 if self.bytes_per_token is None else cdiv(size, self.bytes_per_token)
 
     async def encode(self, text: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(text, list):
@@ -89,7 +91,7 @@ class PromptTokenizer:
             raise bad_request(
                 f"{param}: a lone surrogate is not valid Unicode text", param
             ) from None
-        if (least := self.at_least(text)) >= self.max_model_len:
+        if (least := self._at_least(size)) >= self.max_model_len:  # encoded once, above
             raise bad_request(
                 f"the prompt has at least {least} tokens ({size} bytes), but this model's "
                 f"maximum context length is {self.max_model_len} tokens",

@@ -20,23 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import subprocess
-import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from openai import APIError, AsyncOpenAI
 
-from engine.tools.launch import free_port
+from engine.tools.launch import launched_process
 
 WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "a")
 WORDS += ("request", "scheduler", "decides", "which", "sequences", "run", "in", "each", "step")
@@ -59,7 +53,6 @@ Args = argparse.Namespace  # what parse_args gives
 class Server:
     url: str
     proc: subprocess.Popen
-    log: Path
 
     def rss_mib(self) -> float:
         return rss_bytes(self.proc.pid) / 2**20
@@ -95,48 +88,6 @@ def kv_blocks_for(model: str, mib: float, dtype_bytes: int, block_size: int = 16
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     per_block = 2 * config["num_hidden_layers"] * heads * head_dim * block_size * dtype_bytes
     return max(1, int(mib * 2**20 // per_block))
-
-
-@contextlib.contextmanager
-def serving(argv: list[str], env: dict[str, str], timeout_s: float = 300) -> Iterator[Server]:
-    """`deepinfer serve ...` on a free port, its log in a file; stopped at the end."""
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix="deepinfer-soak-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "engine.tools.cli", *argv, "--port", str(port)]
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
-    try:
-        wait_healthy(server, timeout_s)
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def wait_healthy(server: Server, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.proc.poll() is not None:
-            tail = server.log.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{tail}")
-        if healthy(server.url):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start in {timeout_s} s")
-        time.sleep(0.2)
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def prompt(rng: random.Random, max_words: int) -> str:
@@ -238,7 +189,7 @@ def report(soak: Soak, warmup: int, seconds: float) -> str:
 
 
 def server_argv(a: Args) -> list[str]:
-    argv = ["serve", a.model, "--log-level", "warning", "--seed", str(a.seed)]
+    argv = ["serve", a.model, "--seed", str(a.seed)]
     if a.kv_cache_mib:
         dtype_bytes = 4 if a.dtype == "float32" else 2
         argv += ["--num-kv-blocks", str(kv_blocks_for(a.model, a.kv_cache_mib, dtype_bytes))]
@@ -278,12 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
     env.update(kv.split("=", 1) for kv in a.env)
-    with serving(server_argv(a), env) as server:
+    with launched_process(*server_argv(a), env=env) as (url, proc):
+        server = Server(url, proc)
         start = time.perf_counter()
         soak = Soak()
         asyncio.run(drive(server, Path(a.model).name, a, soak))
         print(report(soak, a.warmup, time.perf_counter() - start))
-    server.log.unlink(missing_ok=True)
     return 0
 
 

@@ -256,3 +256,13 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: with tiny models and small tensors, one
+    thread is faster than two fighting a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -125,13 +125,7 @@ def residual_from_p(p, q, drafts, num_drafts, uniform, noise):
     return accepted, p.div(noise).argmax(-1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: one thread is faster than two fighting a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
 
 
 SETTINGS = {

@@ -41,13 +41,7 @@ TINY = ROOT / "snippets/models/deepinfer-tiny"
 DRAFT = ROOT / "snippets/models/deepinfer-tiny-draft"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster than two fighting a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
 
 
 def ngram(k: int = 4, **kw: int) -> dict:
