@@ -53,6 +53,11 @@ class Executor(ABC):
             min(c.max_model_len for c in configs),
         )
 
+    def measure_step_times(self, sizes: list[int]) -> list[float]:
+        """Forward-pass seconds for each token count in ``sizes`` (every rank runs
+        them, as a step; rank 0's times)."""
+        return self.collective_rpc("measure_step_times", sizes)[0]
+
     def expert_load(self) -> ExpertLoad | None:
         """The MoE layers' records, summed over ranks (bytes listed by rank)."""
         loads = self.collective_rpc("expert_load")

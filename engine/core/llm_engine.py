@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.spec_decode.factory import make_proposer
+from engine.spec_decode.factory import make_proposer, make_verify_schedule
 from engine.structured_output import StructuredOutputManager
 
 Prompt = str | list[int]
@@ -63,7 +63,8 @@ class LLMEngine:
             self.stats,
             eos_token_ids=config.hf_config.eos_token_ids,
             max_model_len=self.max_model_len,
-            proposer=make_proposer(config.speculative_config),
+            proposer=make_proposer(config, cache.num_blocks, self.max_model_len),
+            verify_schedule=make_verify_schedule(config, self.executor.measure_step_times),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(

@@ -17,15 +17,20 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     # accepted_lengths[n]: verify steps that accepted n drafts (a histogram)
     accepted_lengths: list[int] = field(default_factory=list)
+    # chosen_lengths[n]: times a request given drafts was scheduled to verify n of
+    # them (after the verify-length schedule and the step's limits; a histogram)
+    chosen_lengths: list[int] = field(default_factory=list)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """One request's verify step."""
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_lengths) <= num_accepted:
-            self.accepted_lengths += [0] * (num_accepted + 1 - len(self.accepted_lengths))
-        self.accepted_lengths[num_accepted] += 1
+        bump(self.accepted_lengths, num_accepted)
+
+    def observe_chosen(self, num_chosen: int) -> None:
+        """One request's drafts, cut to the ``num_chosen`` its step verifies."""
+        bump(self.chosen_lengths, num_chosen)
 
     @property
     def acceptance_rate(self) -> float:
@@ -36,6 +41,13 @@ class SpecDecodeStats:
     def mean_accepted_length(self) -> float:
         """Tokens per verify step: the accepted drafts and the one token after them."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def bump(histogram: list[int], n: int) -> None:
+    """Count one more n, growing the histogram to reach it."""
+    if len(histogram) <= n:
+        histogram += [0] * (n + 1 - len(histogram))
+    histogram[n] += 1
 
 
 @dataclass

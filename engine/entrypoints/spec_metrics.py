@@ -1,6 +1,7 @@
 """Speculative decoding's Prometheus metrics, vLLM's spec_decode names under
 `deepinfer:`: verify steps, drafted and accepted tokens, the accepted length
-per verify step (a histogram), and target forwards per output token."""
+per verify step and the drafts chosen for verification per request and step
+(histograms), and target forwards per output token."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ class SpecDecodeMetrics:
             "Drafts accepted per verify step.",
             buckets=LENGTH_BUCKETS,
         )
+        self.chosen_length = make(
+            Histogram,
+            "spec_decode_chosen_length",
+            "Drafts a request was scheduled to verify, per step that gave it drafts.",
+            buckets=LENGTH_BUCKETS,
+        )
         self.forwards_per_token = make(
             Gauge, "spec_decode_forwards_per_output_token", "Target forwards per output token."
         )
@@ -41,9 +48,15 @@ class SpecDecodeMetrics:
         self.num_drafts.inc(now.num_drafts - seen.num_drafts)
         self.draft_tokens.inc(now.num_draft_tokens - seen.num_draft_tokens)
         self.accepted_tokens.inc(now.num_accepted_tokens - seen.num_accepted_tokens)
-        for length, count in enumerate(now.accepted_lengths):
-            before = seen.accepted_lengths[length] if length < len(seen.accepted_lengths) else 0
-            for _ in range(count - before):
-                self.accepted_length.observe(length)
+        observe_new(self.accepted_length, now.accepted_lengths, seen.accepted_lengths)
+        observe_new(self.chosen_length, now.chosen_lengths, seen.chosen_lengths)
         self.forwards_per_token.set(stats.forwards_per_output_token)
         self._seen = now
+
+
+def observe_new(histogram: Histogram, now: list[int], seen: list[int]) -> None:
+    """Observe each length as often as its count grew since ``seen``."""
+    for length, count in enumerate(now):
+        before = seen[length] if length < len(seen) else 0
+        for _ in range(count - before):
+            histogram.observe(length)

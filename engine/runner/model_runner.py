@@ -187,6 +187,37 @@ class ModelRunner:
     def kv_cache_config(self) -> KVCacheConfig:
         return self.kv_cache.kv_cache_config()
 
+    @torch.inference_mode()
+    def measure_step_times(self, sizes: list[int]) -> list[float]:
+        """Seconds of a forward pass over n tokens, for each n in ``sizes``: one
+        dummy sequence of n tokens in blocks 0, 1, ..., the median of three runs
+        after a warm-up (the verify-length schedule's cost side). What they
+        write is zeroed again before any request gets those blocks."""
+        times = []
+        for n in sizes:
+            ids = self._tensor([0] * n, torch.int64)
+            positions = self._tensor(list(range(n)), torch.int64)
+            blocks = cdiv(n, self.block_size)
+            meta = AttentionMetadata(
+                slot_mapping=positions.clone(),
+                block_tables=self._tensor([list(range(blocks))], torch.int32),
+                context_lens=self._tensor([n], torch.int32),
+                cu_seqlens_q=self._tensor([0, n], torch.int32),
+                num_decodes=0,
+                context_lens_cpu=[n],
+                query_lens_cpu=[n],
+            )
+            self.kv_cache.touch(blocks)
+            runs = []
+            with forward_context(meta, self.backend.build_metadata(meta), self.backend):
+                for _ in range(4):
+                    start = time.perf_counter()
+                    self.model.compute_logits(self.model(ids, positions)[-1:])
+                    runs.append(time.perf_counter() - start)
+            times.append(sorted(runs[1:])[1])
+        self.kv_cache.forget_touched()
+        return times
+
     def expert_load(self) -> ExpertLoad | None:
         """What this rank's MoE layers recorded (see RankExperts.load)."""
         return self.rank_experts.load()

@@ -87,9 +87,9 @@ class AsyncScheduler(Scheduler):
 
     # --8<-- [end:schedule_ahead]
 
-    def _propose(self) -> dict[str, Draft]:
+    def _propose(self, budget: int) -> dict[str, Draft]:
         """Drafts would have to be checked against tokens still in flight."""
-        if any(super()._propose().values()):
+        if any(super()._propose(budget).values()):
             raise ValueError("draft tokens need async_scheduling=False")
         return {}
 

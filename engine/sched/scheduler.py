@@ -40,6 +40,7 @@ from engine.outputs import (
 from engine.sched.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.proposer import NO_DRAFT, Draft, DraftProposer
+from engine.spec_decode.verify_length import ConfidenceSchedule, StepShape
 
 
 class Scheduler:
@@ -53,6 +54,7 @@ class Scheduler:
         max_model_len: int | None = None,
         proposer: DraftProposer | None = None,
         connector: KVConnector | None = None,
+        verify_schedule: ConfidenceSchedule | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,6 +63,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.proposer: DraftProposer | None = proposer  # None: no drafts (Chapter 5's)
+        self.verify_schedule = verify_schedule  # None: verify every draft (a fixed k)
         self.connector: KVConnector = connector or NoConnector()
         self.requests: dict[str, Sequence] = {}  # every unfinished one, by request id
         self.waiting: deque[Sequence] = deque()
@@ -94,7 +97,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = []
         budget = self.max_num_batched_tokens
-        proposed = self._propose()
+        proposed = self._propose(budget)
         # Running sequences first, oldest first: a decode token (and its drafts),
         # or the next chunk of a prompt. If the cache is full, the newest give way.
         i = 0
@@ -135,12 +138,22 @@ class Scheduler:
         """The tokens of a running sequence whose keys and values are not in the cache."""
         return seq.num_tokens - seq.num_computed_tokens
 
-    def _propose(self) -> dict[str, Draft]:
-        """Ask the proposer for drafts for the sequences about to decode."""
+    def _propose(self, budget: int) -> dict[str, Draft]:
+        """Ask the proposer for drafts for the sequences about to decode, each cut
+        to the length the verify schedule gives it, if there is one."""
         if self.proposer is None:
             return {}
         decoding = [s for s in self.running if s.num_output_tokens and self._num_new_tokens(s) == 1]
-        return self.proposer.propose(decoding) if decoding else {}
+        proposed = self.proposer.propose(decoding) if decoding else {}
+        if self.verify_schedule is not None and proposed:
+            proposed = self.verify_schedule.cut(proposed, self._step_shape(budget))
+        return proposed
+
+    def _step_shape(self, budget: int) -> StepShape:
+        """The step's running sequences before any draft: their tokens within
+        the budget, and how many decode (each sure to give a token)."""
+        pending = [self._num_new_tokens(seq) for seq in self.running]
+        return StepShape(min(sum(pending), budget), sum(1 for n in pending if n == 1))
 
     def _drafts(self, seq: Sequence, n: int, budget: int, drafts: Draft) -> Draft:
         """The drafts ``seq`` checks this step: only after its newest token, within
@@ -155,7 +168,9 @@ class Scheduler:
         room = min(budget - n, seq.params.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.num_tokens - 1)
-        return drafts.head(max(room, 0))
+        drafts = drafts.head(max(room, 0))
+        self.stats.spec_decode.observe_chosen(len(drafts))
+        return drafts
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
         """Start (or resume) a waiting sequence, reusing any cached prefix blocks,
@@ -423,6 +438,8 @@ class Scheduler:
         self._release(seq)
         del self.requests[seq.request_id]
         self.finished_req_ids.append(seq.request_id)
+        if self.proposer is not None:
+            self.proposer.forget([seq.request_id])  # a draft model's blocks, say
         unsent = self._unsent.new_requests  # never told to the runner: no need now
         self._unsent.new_requests = [new for new in unsent if new.req_id != seq.request_id]
         self.stats.finished_requests += reason != FinishReason.ABORT

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "mtp")
-NOT_BUILT = ("draft_model", "mtp")  # Chapter 5's part 2
+SCHEDULES = ("fixed", "confidence")  # how many drafts to verify (verify_length.py)
+CONFIDENT = ("draft_model", "mtp")  # the proposers that say how sure they are
+NOT_BUILT = ("mtp",)  # Chapter 5's part 2
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,13 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # "fixed" verifies every draft; "confidence" verifies, per request, as many
+    # as pay off (DSpark's question), at most verify_budget draft tokens a step
+    # (None: the step's token budget), with step times measured at start-up or
+    # read from step_time_profile (a JSON file that StepTimeProfile.save writes).
+    verify_schedule: str = "fixed"
+    verify_budget: int | None = None
+    step_time_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -34,6 +43,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config num_speculative_tokens must be >= 1, got {k!r}")
         self._check_lookup()
         self._check_model()
+        self._check_schedule()
         if self.method in NOT_BUILT:
             raise ValueError(f"speculative_config method {self.method!r} is not implemented yet")
 
@@ -54,6 +64,24 @@ class SpeculativeConfig:
             raise ValueError("speculative_config method 'draft_model' needs a model")
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"speculative_config model {self.model!r} is not a directory")
+
+    def _check_schedule(self) -> None:
+        if self.verify_schedule not in SCHEDULES:
+            raise ValueError(
+                f"speculative_config verify_schedule must be one of {', '.join(SCHEDULES)}, "
+                f"got {self.verify_schedule!r}"
+            )
+        if self.verify_schedule == "confidence" and self.method not in CONFIDENT:
+            raise ValueError(
+                "speculative_config verify_schedule 'confidence' needs a proposer that says "
+                f"how sure it is of each draft ({' or '.join(CONFIDENT)}), not {self.method!r}"
+            )
+        b = self.verify_budget
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise ValueError(f"speculative_config verify_budget must be >= 0, got {b!r}")
+        path = self.step_time_profile
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"speculative_config step_time_profile {path!r} is not a file")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:

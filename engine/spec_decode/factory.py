@@ -2,15 +2,50 @@
 
 from __future__ import annotations
 
-from engine.spec_decode.config import SpeculativeConfig
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import DraftProposer
+from engine.spec_decode.verify_length import ConfidenceSchedule, StepTimeProfile
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+PROFILE_MAX_TOKENS = 512  # the largest step measured at start-up; longer ones extrapolate
 
 
-def make_proposer(config: SpeculativeConfig | None) -> DraftProposer | None:
-    """None without speculation. SpeculativeConfig refuses the methods not built."""
-    if config is None:
+def make_proposer(
+    config: EngineConfig, num_blocks: int, max_model_len: int
+) -> DraftProposer | None:
+    """None without speculation. A draft model gets a cache of the target's
+    ``num_blocks`` and more (draft_model.py). SpeculativeConfig refuses the
+    methods not built."""
+    spec = config.speculative_config
+    if spec is None:
         return None
-    if config.method == "ngram":
-        return NgramProposer.from_config(config)
-    raise ValueError(f"speculative_config method {config.method!r} is not implemented yet")
+    if spec.method == "ngram":
+        return NgramProposer.from_config(spec)
+    if spec.method == "draft_model":
+        return DraftModelProposer.from_config(config, num_blocks, max_model_len)
+    raise ValueError(f"speculative_config method {spec.method!r} is not implemented yet")
+
+
+def make_verify_schedule(
+    config: EngineConfig, measure: Callable[[list[int]], list[float]]
+) -> ConfidenceSchedule | None:
+    """The confidence schedule, if asked for; None for a fixed k. Its step times
+    come from the profile file, or from ``measure`` (the executor's
+    measure_step_times) at powers of two up to the step's token budget."""
+    spec = config.speculative_config
+    if spec is None or spec.verify_schedule == "fixed":
+        return None
+    if spec.step_time_profile is not None:
+        profile = StepTimeProfile.load(spec.step_time_profile)
+    else:
+        top = max(2, min(config.max_num_batched_tokens, PROFILE_MAX_TOKENS))
+        sizes = [2**i for i in range(top.bit_length()) if 2**i <= top]
+        profile = StepTimeProfile(tuple(sizes), tuple(measure(sizes)))
+    budget = config.max_num_batched_tokens if spec.verify_budget is None else spec.verify_budget
+    return ConfidenceSchedule(budget, profile)

@@ -40,6 +40,9 @@ class NgramProposer:
                 drafts[seq.request_id] = Draft(tokens)
         return drafts
 
+    def forget(self, req_ids: list[str]) -> None:
+        """Nothing to drop: the n-gram proposer keeps nothing between steps."""
+
 
 def propose_ngram(tokens: list[int], lookup_min: int, lookup_max: int, k: int) -> list[int]:
     """The up to ``k`` tokens that followed the most recent earlier occurrence of

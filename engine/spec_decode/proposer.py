@@ -18,10 +18,13 @@ class Draft:
     ``probs`` is q, row j the distribution ``token_ids[j]`` was drawn from
     ([len(token_ids), vocab], on the model's device); None for a deterministic
     proposer (n-gram), whose q is one-hot at each draft. The rejection sampler
-    needs q to keep a sampled request's distribution the target's own."""
+    needs q to keep a sampled request's distribution the target's own.
+    ``confidence[j]`` is the proposer's probability for ``token_ids[j]``, for
+    a verify-length schedule to spend (verify_length.py); None if it has none."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    confidence: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -29,7 +32,8 @@ class Draft:
     def head(self, n: int) -> Draft:
         """The first ``n`` drafts (and their rows of q)."""
         probs = None if self.probs is None else self.probs[:n]
-        return Draft(self.token_ids[:n], probs)
+        confidence = None if self.confidence is None else self.confidence[:n]
+        return Draft(self.token_ids[:n], probs, confidence)
 
 
 NO_DRAFT = Draft([])
@@ -41,4 +45,8 @@ class DraftProposer(Protocol):
 
     def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
         """Drafts by request id; a sequence left out gets none."""
+        ...
+
+    def forget(self, req_ids: list[str]) -> None:
+        """These requests ended: drop whatever the proposer keeps for them."""
         ...

@@ -34,6 +34,7 @@ class Timed:
     verify_steps: int
     steps: int
     tokens: int
+    chosen: list[int]  # chosen_lengths' growth: how often each k was verified
 
 
 def book_token_streams(llm: LLM) -> list[list[int]]:
@@ -69,6 +70,7 @@ def timed(llm: LLM, prompts: list[list[int]], output_len: int) -> Timed:
     spec = stats.spec_decode
     before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts, stats.steps)
     before_tokens = stats.generated_tokens
+    before_chosen = list(spec.chosen_lengths)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -76,7 +78,9 @@ def timed(llm: LLM, prompts: list[list[int]], output_len: int) -> Timed:
     tokens = stats.generated_tokens - before_tokens
     after = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts, stats.steps)
     d = [a - b for a, b in zip(after, before)]
-    return Timed(tokens / seconds, d[0], d[1], d[2], d[3], tokens)
+    chosen = [n - (before_chosen[k] if k < len(before_chosen) else 0)
+              for k, n in enumerate(spec.chosen_lengths)]  # fmt: skip
+    return Timed(tokens / seconds, d[0], d[1], d[2], d[3], tokens, chosen)
 
 
 def compare(
@@ -106,8 +110,16 @@ def compare(
     return (
         f"{prompts.kind:>7} {batch:>5} {base.tokens_per_s:>10.0f} {run.tokens_per_s:>10.0f} "
         f"{ratios[best]:>6.2f}x {statistics.median(ratios):>6.2f}x {rate:>7.1%} "
-        f"{length:>6.2f} {fwd:>8.3f} {fwd_plain:>8.3f}"
+        f"{length:>6.2f} {fwd:>8.3f} {fwd_plain:>8.3f}  {k_shares([s for _, s in runs])}"
     )
+
+
+def k_shares(runs: list[Timed]) -> str:
+    """The chosen k's distribution over all repeats, as k:share% for each k chosen."""
+    width = max(len(r.chosen) for r in runs)
+    counts = [sum(r.chosen[k] for r in runs if k < len(r.chosen)) for k in range(width)]
+    total = sum(counts)
+    return " ".join(f"{k}:{c / total:.0%}" for k, c in enumerate(counts) if c) if total else "-"
 
 
 def run(
@@ -133,7 +145,7 @@ def run(
         "repeats on fresh prompts, both engines in this process, timed alternately",
         "",
         f"{'prompts':>7} {'batch':>5} {'plain t/s':>10} {'spec t/s':>10} {'best':>7} "
-        f"{'median':>7} {'accept':>7} {'length':>6} {'fwd/tok':>8} {'(plain)':>8}",
+        f"{'median':>7} {'accept':>7} {'length':>6} {'fwd/tok':>8} {'(plain)':>8}  chosen k",
     ]
     for kind in ("book", "random"):
         prompts = Prompts(kind, streams, vocab, input_len)
@@ -143,6 +155,7 @@ def run(
         "",
         "best/median: spec t/s over plain t/s (the best repeat's, the median's); accept: "
         "accepted / drafted; length: tokens per verify step (accepted drafts + 1); "
-        "fwd/tok: target forward passes per output token (all repeats)",
+        "fwd/tok: target forward passes per output token (all repeats); chosen k: how "
+        "often a request given drafts verified k of them",
     ]
     return "\n".join(lines)

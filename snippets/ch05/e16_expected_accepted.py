@@ -22,7 +22,7 @@ CITED = [(0.5, 8), (0.8, 4), (0.8, 8), (0.9, 8)]  # the rows the chapter's prose
 
 
 def closed_form(alpha: float, k: int) -> float:
-    """Expected tokens per verify step: the geometric sum 1 + alpha + ... + alpha^k."""
+    """Expected tokens per verify step: 1 + alpha + ... + alpha^k."""
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
@@ -36,7 +36,8 @@ def spread(alpha: float, k: int) -> float:
 
 
 def one_step(rng: random.Random, alpha: float, k: int) -> int:
-    """Tokens one verify step yields: the accepted prefix, plus the target's own token."""
+    """Tokens one verify step yields: the accepted prefix, plus one
+    token of the target's own."""
     accepted = 0
     while accepted < k and rng.random() < alpha:
         accepted += 1

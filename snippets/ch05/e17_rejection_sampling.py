@@ -45,7 +45,7 @@ def residual(p: list[float], q: list[float]) -> list[float]:
 
 
 def rejection(rng: random.Random) -> tuple[int, bool]:
-    """(emitted token, whether the draft was accepted), the standard way."""
+    """The standard way: (emitted token, whether the draft was kept)."""
     x = draw(rng, Q)
     if rng.random() < min(1.0, P[x] / Q[x]):
         return x, True
@@ -126,6 +126,7 @@ def main() -> dict:
     print(f"match's, sum of p * q: {sum(p * q for p, q in zip(P, Q)):.{PLACES}f}")
     results["overlap"] = round(overlap, PLACES)
     results["match_expected"] = round(sum(p * q for p, q in zip(P, Q)), PLACES)
+    results.update(p=P, q=Q)
     results["top_token_p"] = P[0]
     results["top_token_q"] = Q[0]
     return results

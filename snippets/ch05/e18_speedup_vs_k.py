@@ -23,12 +23,12 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def speedup(alpha: float, k: int, c: float) -> float:
-    """Tokens per unit of target-forward time, over plain decoding's one."""
+    """Tokens per target-forward time, over plain decoding's one."""
     return expected_tokens(alpha, k) / (1 + c * k)
 
 
 def best_k(alpha: float, c: float) -> int:
-    """The draft length that maximises the speedup, searched over 1..MAX_K."""
+    """The draft length of the largest speedup, among 1..MAX_K."""
     return max(range(1, MAX_K + 1), key=lambda k: speedup(alpha, k, c))
 
 

@@ -51,6 +51,9 @@ class ReferenceProposer:
             self.proposed += len(drafts[seq.request_id])
         return drafts
 
+    def forget(self, req_ids: list[str]) -> None:
+        pass
+
 
 def run(path, params: SamplingParams, proposer=None, **kwargs) -> tuple[LLM, list]:
     llm = LLM(path, dtype="float32", **kwargs)
@@ -122,6 +125,9 @@ class Fixed:
 
     def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
         return {seq.request_id: Draft(self.drafts) for seq in seqs}
+
+    def forget(self, req_ids: list[str]) -> None:
+        pass
 
 
 def fold(sched: Scheduler, rows: dict[str, list[int]]):

@@ -64,10 +64,6 @@ def ngram(k: int = 4, **kw: int) -> dict:
             {"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/draft"},
             "'/no/such/draft' is not a directory",
         ),
-        (
-            {"method": "draft_model", "num_speculative_tokens": 2, "model": str(DRAFT)},
-            "'draft_model' is not implemented yet",
-        ),
         ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not implemented yet"),
         ({"method": "ngram"}, "needs 'method' and 'num_speculative_tokens'"),
         (ngram(num_lookahead=3), "unknown key 'num_lookahead'"),
@@ -227,6 +223,9 @@ class SampledProposer:
             drafts[seq.request_id] = Draft(tokens, torch.stack(rows))
             self.proposed += self.k
         return drafts
+
+    def forget(self, req_ids: list[str]) -> None:
+        pass  # it keeps nothing between steps
 
 
 def with_proposer(path, prompts, params, proposer, **kwargs) -> tuple[LLM, list]:
