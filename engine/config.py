@@ -142,6 +142,7 @@ class EngineConfig:
         if self.speculative_config is None:
             return
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative_config.check_target(self.hf_config)  # MTP needs MTP weights
         if self.async_scheduling:
             raise ValueError(
                 "speculative_config needs async_scheduling=False: a step's drafts are "

@@ -49,12 +49,21 @@ class ModelRunnerOutput:
     logprobs: LogprobsTensors | None = None  # per position; None when no request asked
     num_positions: list[int] | None = None  # per request, 1 + its drafts; None: 1 each
     num_accepted: torch.Tensor | None = None  # [requests] int64 drafts accepted; None: no drafts
+    # Drafts a proposer in the model runner made after each request's newest token
+    # (spec_decode/mtp.py): [requests, k] int64, still on the device; None: no such proposer.
+    draft_token_ids: torch.Tensor | None = None
 
     def logprobs_lists(self) -> list[Logprobs | None]:
         """Each position's logprobs as host lists: (token ids, logprobs), or None."""
         if self.logprobs is None:
             return [None] * len(self.sampled_token_ids)
         return list(zip(self.logprobs.token_ids.tolist(), self.logprobs.logprobs.tolist()))
+
+    def draft_rows(self) -> list[list[int]]:
+        """Each request's drafts for its next step, on the host ([] each if none)."""
+        if self.draft_token_ids is None:
+            return [[] for _ in self.req_ids]
+        return self.draft_token_ids.tolist()
 
     def token_rows(self) -> list[TokenRow]:
         """Each request's row of tokens, on the host: the step's one wait for the device."""

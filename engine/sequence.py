@@ -47,6 +47,10 @@ class Sequence:
         self.num_cached_prompt_tokens = 0  # found in the prefix cache at the first admission
         self.events: list[EngineCoreEvent] = []  # what the scheduler did, not yet reported
         self.structured_output: StructuredOutputRequest | None = None  # its grammar's matcher
+        # Drafts a model runner made after token runner_drafts_at - 1 (spec_decode/mtp.py),
+        # for its next step: stale once that is no longer the sequence's newest token.
+        self.runner_drafts: list[int] = []
+        self.runner_drafts_at = 0
 
     @property
     def num_tokens(self) -> int:

@@ -172,3 +172,13 @@ def attach(
     for layer, moe in enumerate(model.moe_layers()):
         moe.ep = ExpertParallel(layer, placement, rank, traffic, device)
     return traffic
+
+
+def broadcast_from_rank0(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` on every rank of the expert-parallel group (every rank passes
+    a tensor of the same shape and dtype); ``t`` itself outside a group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    t = t.contiguous()
+    dist.broadcast(t, src=0)
+    return t

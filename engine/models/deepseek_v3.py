@@ -136,12 +136,13 @@ class DeepseekV3MTP(DeepseekV3DecoderLayer):
 
     def predict(
         self, positions: torch.Tensor, hidden: torch.Tensor, next_embeds: torch.Tensor
-    ) -> torch.Tensor:
-        """The normalised hidden state that the output head turns into t_{i+2}'s logits."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalised hidden state that the output head turns into t_{i+2}'s
+        logits, and the module's output before that norm: what a second drafting
+        step takes as its h (engine/spec_decode/mtp.py), as vLLM's does."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         x, residual = self.forward(positions, x, None)
-        x, _ = self.shared_head.norm(x, residual)
-        return x
+        return self.shared_head.norm(x, residual)
 
 
 class DeepseekV3Model(nn.Module):
@@ -195,8 +196,16 @@ class DeepseekV3ForCausalLM(CausalLM):
         one). Runs under forward_context, as the model does: the module's attention
         stores these rows in its own paged cache and attends over the rows of the
         same sequence it stored before."""
-        x = self.model.mtp[0].predict(positions, hidden, self.model.embed_tokens(next_token_ids))
-        return self.lm_head(x)
+        return self.lm_head(self.mtp_hidden_states(positions, hidden, next_token_ids)[0])
+
+    def mtp_hidden_states(
+        self, positions: torch.Tensor, hidden: torch.Tensor, next_token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What mtp_logits computes before the head, for every row: the normalised
+        state (compute_logits of it are the logits) and the state before the norm,
+        so that a drafter turns only the rows it drafts from into logits."""
+        embeds = self.model.embed_tokens(next_token_ids)
+        return self.model.mtp[0].predict(positions, hidden, embeds)
 
     def attention_layers(self) -> list[MLAAttention]:
         """The main layers' attention, each with a paged cache. The MTP modules'

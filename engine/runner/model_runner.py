@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata, decode_query_len, for_decodes
 from engine.config import EngineConfig
 from engine.core.stats import EngineStats
-from engine.distributed.expert_parallel import ExpertLoad
+from engine.distributed.expert_parallel import ExpertLoad, broadcast_from_rank0
 from engine.distributed.placement import ExpertPlacement
 from engine.distributed.rank_experts import RankExperts
 from engine.kv.kv_cache import KVCacheConfig, KVCachePool
@@ -33,6 +34,7 @@ from engine.layers.sampler import (
     adjust_logits,
     compute_logprobs,
 )
+from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.loader import load_model
 from engine.outputs import ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode, can_compile
@@ -40,6 +42,7 @@ from engine.runner.cuda_graph import CUDAGraphRunner
 from engine.runner.fast_path import DecodeFastPath
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler_output import GrammarOutput, ScheduledRequest, SchedulerOutput
+from engine.spec_decode.mtp import MTPProposer, mtp_target
 from engine.spec_decode.rejection_sampler import SampledDrafts, verify_sampled
 from engine.utils import cdiv, to_device
 
@@ -59,6 +62,8 @@ class ModelInput:
     output_token_ids: list[list[int] | None] = field(default_factory=list)
     # Per request that samples: the q its drafts were drawn from, or None (one-hot).
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    # The step's requests in the batch's order (decodes first): an MTP drafter's rows.
+    items: list[ScheduledRequest] = field(default_factory=list)
 
     def num_positions(self) -> list[int]:
         """Per request that samples, its rows of logits: its last token's, and each draft's."""
@@ -127,9 +132,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.sampled_hidden_states: torch.Tensor | None = None  # of the last step (forward)
+        self.step_hidden_states: torch.Tensor | None = None  # every position's, for a drafter
         self.rank_experts.bind(self.model, self.stats, self.device)
-        self.kv_cache = KVCachePool(config, self.model.attention_layers(), self.device)
+        mtp = self._mtp_target()
+        layers = self.model.attention_layers() + (mtp.mtp_attention_layers() if mtp else [])
+        self.kv_cache = KVCachePool(config, layers, self.device)
         self.max_model_len = self.kv_cache.max_model_len
+        self.drafter = self._mtp_drafter(mtp)
         self.compiled = self._compiled_decode()
         if self.compiled is not None:
             self._compile_decode_now()
@@ -152,6 +161,18 @@ class ModelRunner:
             )
         # At most one of the two: graphs need CUDA, the compiled decode a CPU.
         self.fast_path: DecodeFastPath | None = self.graphs or self.compiled
+
+    def _mtp_target(self) -> DeepseekV3ForCausalLM | None:
+        """The model, if the engine drafts with its MTP module (spec_decode/mtp.py)."""
+        spec = self.config.speculative_config
+        return mtp_target(self.model) if spec is not None and spec.method == "mtp" else None
+
+    def _mtp_drafter(self, mtp: DeepseekV3ForCausalLM | None) -> MTPProposer | None:
+        """The MTP drafter over the pool, which holds its module's cache too."""
+        if mtp is None:
+            return None
+        k = self.config.speculative_config.num_speculative_tokens
+        return MTPProposer(mtp, self.kv_cache, self.backend, k, self.config.max_num_seqs)
 
     def _compiled_decode(self) -> CompiledDecode | None:
         want = self.config.compile_decode
@@ -281,6 +302,7 @@ class ModelRunner:
             [item.draft_token_ids for item in sampling],
             [item.output_token_ids for item in sampling],
             [item.draft_probs for item in sampling],
+            items,
         )
 
     def _first_output(self, item: ScheduledRequest) -> int:
@@ -378,6 +400,8 @@ class ModelRunner:
         # The sampled positions' last hidden states, in row order: what a draft
         # proposer (an MTP module, EAGLE) would start from.
         self.sampled_hidden_states = hidden[batch.logits_indices]
+        if self.drafter is not None:
+            self.step_hidden_states = hidden
         logits = self.model.compute_logits(self.sampled_hidden_states).float()
         self.stats.forward_seconds += time.perf_counter() - start
         return logits
@@ -386,10 +410,20 @@ class ModelRunner:
     def execute_prepared(self, step: PreparedStep) -> ModelRunnerOutput:
         """The device's share of a step: the forward pass, then a token for every
         request whose new tokens reach its end. The tokens stay on the device.
-        Only rank 0 samples; another rank's forward pass serves its experts."""
+        Only rank 0 samples; another rank's forward pass serves its experts. Then
+        an MTP drafter drafts after each request's newest token, on every rank."""
         logits = self.forward(step)
-        if self.rank != 0:
-            return None
+        output = self._sample(step, logits) if self.rank == 0 else None
+        if self.drafter is not None:
+            tokens, accepted = self._from_rank0(step, output)
+            batch, hidden = step.batch, self.step_hidden_states
+            drafts = self.drafter.propose(batch.items, batch.input_ids, hidden, tokens, accepted)
+            if output is not None:
+                output.draft_token_ids = drafts
+        return output
+
+    def _sample(self, step: PreparedStep, logits: torch.Tensor) -> ModelRunnerOutput:
+        """Rank 0's share: a token for every sampled row, and the drafts each accepts."""
         sampled = self.sampler(logits, step.sampling)
         tokens, batch = sampled.sampled_token_ids, step.batch
         if step.drafts is None:
@@ -401,6 +435,25 @@ class ModelRunner:
             tokens, accepted = verify_sampled(allowed, tokens, accepted, sd)
             logprobs = compute_logprobs(logits, tokens, step.sampling.max_num_logprobs)
         return ModelRunnerOutput(batch.req_ids, tokens, logprobs, batch.num_positions(), accepted)
+
+    def _from_rank0(
+        self, step: PreparedStep, output: ModelRunnerOutput | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's sampled tokens and accepted drafts (None: no drafts), on every
+        rank: under expert parallelism every rank runs the MTP module's MoE layers,
+        so every rank drafts from rank 0's tokens, which it sends the others."""
+        if self.config.expert_parallel_size == 1:
+            return output.sampled_token_ids, output.num_accepted
+        batch = step.batch
+        if output is None:  # another rank: room for what rank 0 sends
+            empty = partial(torch.empty, dtype=torch.int64, device=self.device)
+            accepted = None if step.drafts is None else empty(len(batch.req_ids))
+            output = ModelRunnerOutput(batch.req_ids, empty(sum(batch.num_positions())))
+            output.num_accepted = accepted
+        tokens = broadcast_from_rank0(output.sampled_token_ids)
+        if output.num_accepted is None:
+            return tokens, None
+        return tokens, broadcast_from_rank0(output.num_accepted)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: prepare its inputs, then run it."""
@@ -423,6 +476,8 @@ class ModelRunner:
         """Forget the requests that ended; keep what new ones need for sampling."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)  # an abort may come before its first step
+        if self.drafter is not None:
+            self.drafter.forget(scheduler_output.finished_req_ids)
         for new in scheduler_output.new_requests:
             state = CachedRequestState(new.sampling_params, new.seed, new.num_prompt_tokens)
             if new.sampling_params.repetition_penalty != 1.0:

@@ -365,7 +365,17 @@ class Scheduler:
             )
             seq.events = []  # handed on
             self.stats.generated_tokens += kept
+        self._keep_drafts(runner_output)
         return outputs
+
+    def _keep_drafts(self, runner_output: ModelRunnerOutput) -> None:
+        """Keep the drafts the model runner made after each unfinished request's
+        newest token (spec_decode/runner_drafts.py hands them to the next step)."""
+        if runner_output.draft_token_ids is None:
+            return
+        for req_id, drafts in zip(runner_output.req_ids, runner_output.draft_rows()):
+            if (seq := self.requests.get(req_id)) is not None:
+                seq.runner_drafts, seq.runner_drafts_at = drafts, seq.num_tokens
 
     def _fold_target(self, item: ScheduledRequest) -> tuple[Sequence, int]:
         """The sequence a step's item belongs to, and the index its first sampled

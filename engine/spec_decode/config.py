@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.models.config import ModelConfig
 
 METHODS = ("ngram", "draft_model", "mtp")
 SCHEDULES = ("fixed", "confidence")  # how many drafts to verify (verify_length.py)
-CONFIDENT = ("draft_model", "mtp")  # the proposers that say how sure they are
-NOT_BUILT = ("mtp",)  # Chapter 5's part 2
+CONFIDENT = ("draft_model",)  # the proposers that say how sure they are of a draft
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,6 @@ class SpeculativeConfig:
         self._check_lookup()
         self._check_model()
         self._check_schedule()
-        if self.method in NOT_BUILT:
-            raise ValueError(f"speculative_config method {self.method!r} is not implemented yet")
 
     def _check_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -58,8 +58,8 @@ class SpeculativeConfig:
             )
 
     def _check_model(self) -> None:
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError("speculative_config method 'ngram' takes no model")
+        if self.method in ("ngram", "mtp") and self.model is not None:
+            raise ValueError(f"speculative_config method {self.method!r} takes no model")
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative_config method 'draft_model' needs a model")
         if self.model is not None and not Path(self.model).is_dir():
@@ -82,6 +82,17 @@ class SpeculativeConfig:
         path = self.step_time_profile
         if path is not None and not Path(path).is_file():
             raise ValueError(f"speculative_config step_time_profile {path!r} is not a file")
+
+    def check_target(self, model: ModelConfig) -> None:
+        """Refuse what the target model cannot do: MTP drafts need the checkpoint's
+        own MTP module (DeepSeek-V3's num_nextn_predict_layers, with its weights).
+        EngineConfig calls this, before any worker starts or any weight loads."""
+        if self.method == "mtp" and model.num_mtp_layers == 0:
+            raise ValueError(
+                "speculative_config method 'mtp' needs a model with multi-token prediction "
+                f"weights (DeepSeek-V3's MTP module); this {model.architecture} checkpoint "
+                "has none"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:

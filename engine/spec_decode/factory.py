@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import DraftProposer
+from engine.spec_decode.runner_drafts import RunnerDrafts
 from engine.spec_decode.verify_length import ConfidenceSchedule, StepTimeProfile
 
 if TYPE_CHECKING:
@@ -20,8 +21,7 @@ def make_proposer(
     config: EngineConfig, num_blocks: int, max_model_len: int
 ) -> DraftProposer | None:
     """None without speculation. A draft model gets a cache of the target's
-    ``num_blocks`` and more (draft_model.py). SpeculativeConfig refuses the
-    methods not built."""
+    ``num_blocks`` and more (draft_model.py)."""
     spec = config.speculative_config
     if spec is None:
         return None
@@ -29,7 +29,9 @@ def make_proposer(
         return NgramProposer.from_config(spec)
     if spec.method == "draft_model":
         return DraftModelProposer.from_config(config, num_blocks, max_model_len)
-    raise ValueError(f"speculative_config method {spec.method!r} is not implemented yet")
+    if spec.method == "mtp":  # drafted in the model runner (mtp.py); the sequences keep them
+        return RunnerDrafts()
+    raise ValueError(f"speculative_config method {spec.method!r} has no proposer")
 
 
 def make_verify_schedule(

@@ -36,8 +36,8 @@ from tests.engine.test_spec_decode import (
     DRAFT,
     GREEDY,
     TINY,
-    TINY_CASES,
     book_prompts,
+    case_kwargs,
     check_blocks,
     enumerate_first_three,
     generate,
@@ -123,10 +123,10 @@ def test_bad_verify_schedules_fail_at_construction(config, match: str) -> None:
 
 @pytest.mark.parametrize("case", ["chunked", "preempted", "prefix"])
 def test_greedy_draft_model_gives_the_tokens_of_decoding_without_it(case: str) -> None:
-    kwargs = TINY_CASES[case]
     prompts = book_prompts(4, 500, seed=4)
     if case == "prefix":  # later prompts begin with earlier ones
         prompts += [prompts[0] + prompts[1][:150]]
+    kwargs = case_kwargs(case, prompts)
     _, plain = generate(TINY, prompts, GREEDY, **kwargs)
     llm, spec = generate(TINY, prompts, GREEDY, draft_model(3), **kwargs)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
