@@ -48,7 +48,7 @@ PYODIDE_FILES = (
     "python_stdlib.zip",
     "pyodide-lock.json",
 )
-ENGINE_WHY = "This one drives the engine, which needs PyTorch: `make test` sets up `.venv`."
+ENGINE_WHY = "This one drives the engine, which needs PyTorch: run it in a checkout, where make test sets up the .venv it uses."
 
 log = logging.getLogger("mkdocs.hooks.run_in_page")
 

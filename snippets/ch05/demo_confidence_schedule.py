@@ -7,7 +7,10 @@ measured, so that every machine makes the same choices: a step costs a fixed
 step, the draft proposes for all four; the schedule scores each draft by the
 product of the draft's confidences up to it (its gain) and takes drafts, best
 gain first, while the batch's expected tokens per unit of step time rise, and
-at most BUDGET of them. Then both schedules run the requests to the end.
+at most BUDGET of them (the fixed schedule verifies every draft, up to K: the
+budget binds the confidence schedule only). Then both schedules run the
+requests to the end, and the profile prices each run: its steps times the
+fixed cost, plus PER_TOKEN for every token its steps computed.
 """
 
 from __future__ import annotations
@@ -40,15 +43,18 @@ def engine_with(schedule: str, profile: str) -> LLM:
     return LLM(MODEL, dtype="float32", num_kv_blocks=128, speculative_config=config)
 
 
-def one_batch(llm: LLM, profile: StepTimeProfile) -> list[int]:
-    """The schedule's choice for the batch after the prompts' step, printed."""
+def one_batch(llm: LLM, profile: StepTimeProfile) -> tuple[list[int], list[int]]:
+    """The schedule's choice for the batch after the prompts' step, printed; and,
+    not printed, its choice for the same batch with a budget of 4 (Exercise 5)."""
     engine = llm.llm_engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
     engine.step()  # the prompts, and each request's first token
     seqs = list(engine.scheduler.running)
     drafts = engine.scheduler.proposer.propose(seqs)
-    lengths = choose_lengths(drafts, StepShape(len(seqs), len(seqs)), BUDGET, profile)
+    shape = StepShape(len(seqs), len(seqs))
+    lengths = choose_lengths(drafts, shape, BUDGET, profile)
+    at_four = choose_lengths(drafts, shape, 4, profile)
     print(f"one batch, k <= {K}, budget {BUDGET}:")
     print("each request's draft gains, and the k chosen")
     for seq in seqs:
@@ -57,16 +63,20 @@ def one_batch(llm: LLM, profile: StepTimeProfile) -> list[int]:
         print(f"  {seq.request_id}: {shown} -> k = {lengths[seq.request_id]}")
     while engine.has_unfinished_requests():
         engine.step()
-    return [lengths[seq.request_id] for seq in seqs]
+    ids = [seq.request_id for seq in seqs]
+    return [lengths[r] for r in ids], [at_four[r] for r in ids]
 
 
 def run(llm: LLM) -> tuple[list[list[int]], dict]:
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    spec = llm.stats.spec_decode
+    s, spec = llm.stats, llm.stats.spec_decode
+    cost = s.steps + PER_TOKEN * (s.prefill_tokens + s.decode_tokens)
     return [o.token_ids for o in outs], {
         "drafted": spec.num_draft_tokens,
         "accepted": spec.num_accepted_tokens,
-        "steps": llm.stats.steps,
+        "steps": s.steps,
+        "cost": round(cost, 2),
+        "tokens_per_cost": round(s.generated_tokens / cost, 3),
     }
 
 
@@ -75,16 +85,19 @@ def main() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "profile.json")
         profile.save(path)
-        chosen = one_batch(engine_with("confidence", path), profile)
+        chosen, at_four = one_batch(engine_with("confidence", path), profile)
         rows = {name: run(engine_with(name, path)) for name in ("fixed", "confidence")}
     print()
-    print(f"{'schedule':<11} {'drafted':>8} {'accepted':>9} {'rate':>6} {'steps':>6}")
+    print(f"{'schedule':<10} {'drafted':>7} {'accepted':>8} {'rate':>6} {'steps':>5} "
+          f"{'cost':>6} {'tok/cost':>8}")  # fmt: skip
     for name, (_, c) in rows.items():
         rate = c["accepted"] / c["drafted"]
-        print(f"{name:<11} {c['drafted']:>8} {c['accepted']:>9} {rate:>6.1%} {c['steps']:>6}")
+        print(f"{name:<10} {c['drafted']:>7} {c['accepted']:>8} {rate:>6.1%} {c['steps']:>5} "
+              f"{c['cost']:>6.2f} {c['tokens_per_cost']:>8.3f}")  # fmt: skip
     same = rows["fixed"][0] == rows["confidence"][0]
     print(f"same tokens under both schedules: {'yes' if same else 'NO'}")
-    results = {"k": K, "budget": BUDGET, "per_token": PER_TOKEN, "chosen": chosen, "same": same}
+    results = {"k": K, "budget": BUDGET, "per_token": PER_TOKEN, "chosen": chosen, "same": same,
+               "chosen_at_budget_4": at_four}  # fmt: skip
     for name, (_, c) in rows.items():
         results |= {f"{name}_{key}": value for key, value in c.items()}
     return results

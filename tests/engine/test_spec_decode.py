@@ -413,8 +413,8 @@ def test_stats_count_drafts_acceptance_and_forwards() -> None:
 
 def test_metrics_show_speculation() -> None:
     metrics = ServerMetrics("m")
-    first = SpecDecodeStats(2, 8, 5, [0, 1, 0, 0, 1])
-    later = SpecDecodeStats(3, 12, 5, [1, 1, 0, 0, 1])
+    first = SpecDecodeStats(2, 8, 5, [0, 1, 0, 0, 1], [1, 0, 0, 0, 2])
+    later = SpecDecodeStats(3, 12, 5, [1, 1, 0, 0, 1], [1, 0, 0, 0, 3])
     for spec, fwd in ((first, 0.5), (later, 0.6)):
         metrics.core_stats(CoreStats(1, 0, 0.1, 0, spec, fwd))
     value = metrics.registry.get_sample_value
@@ -425,6 +425,9 @@ def test_metrics_show_speculation() -> None:
     assert value("deepinfer:spec_decode_accepted_length_count", labels) == 3
     assert value("deepinfer:spec_decode_accepted_length_sum", labels) == 5
     assert value("deepinfer:spec_decode_accepted_length_bucket", {**labels, "le": "0.0"}) == 1
+    assert value("deepinfer:spec_decode_chosen_length_count", labels) == 4
+    assert value("deepinfer:spec_decode_chosen_length_sum", labels) == 12
+    assert value("deepinfer:spec_decode_chosen_length_bucket", {**labels, "le": "0.0"}) == 1
     assert value("deepinfer:spec_decode_forwards_per_output_token", labels) == 0.6
 
 
