@@ -31,7 +31,9 @@ that has neither (a chapter not written yet) stays plain text.
 
 The experiments page, experiments.md, is generated from snippets/ at build time:
 one row per snippets/chNN/eNN_slug.py, with its title from the first line of its
-docstring and what it imports beyond the standard library.
+docstring, what it imports beyond the standard library, a link to its listing on
+its chapter's page (where the Run button is: each listing gets the anchor
+run_anchor(N) here), and a link to its chapter's notebook (docs/hooks/notebooks.py).
 
 Appendix B's map of the repository is generated too, by engine/tools/repo_map.py,
 in place of the marker line its page holds.
@@ -114,6 +116,33 @@ def discover_experiments() -> list[Experiment]:
     return sorted(found, key=lambda e: e.number)
 
 
+def run_anchor(number: int) -> str:
+    """The id of the place on its chapter's page where Experiment ``number``'s listing,
+    and the Run button under it, begin."""
+    return f"run-experiment-{number}"
+
+
+def notebook_uri(page: str) -> str:
+    """Where the site serves the notebook of the chapter page ``page`` ("ch07-x.md")."""
+    return f"notebooks/{Path(page).stem}.ipynb"
+
+
+LISTING = re.compile(r'^\?\?\? listing "[^"]*"\n    ```python title="(?P<path>[^"]+)"', re.M)
+
+
+def mark_listings(markdown: str) -> str:
+    """Put run_anchor(N) just before each experiment's listing: an empty element, so the
+    page looks the same, and raw HTML, so MkDocs knows the anchor when it checks links."""
+
+    def mark(m: re.Match) -> str:
+        number = re.match(r"snippets/ch\d\d/e(\d\d)_", m["path"])
+        if number is None:
+            return m[0]  # an engine demo
+        return f'<div id="{run_anchor(int(number[1]))}"></div>\n\n{m[0]}'
+
+    return LISTING.sub(mark, markdown)
+
+
 def _chapter_pages(docs: Path) -> dict[int, Path]:
     return {int(p.name[2:4]): p for p in docs.glob("ch[0-9][0-9]-*.md")}
 
@@ -125,26 +154,47 @@ def _h1(page: Path) -> str:
     return page.stem
 
 
+# Icons, so that the chapter and command cells, which stay on one line (book.css), stay short.
+RUN_ICON, NOTEBOOK_ICON = ":material-play-circle-outline:", ":material-notebook-outline:"
+
+
+def _row(e: Experiment, page: Path | None) -> str:
+    needs = ", ".join(f"`{n}`" for n in e.needs) or "standard library"
+    command = f"`python {e.path}`"
+    if page is None:
+        return f"| Experiment {e.number} | Chapter {e.chapter} | {e.title} | {needs} | {command} |"
+    # Short, so the table fits a desktop column; the chapter's title shows on hover.
+    chapter = f'[Chapter {e.chapter}]({page.name} "{_h1(page)}")'
+    notebook = notebook_uri(page.name)
+    chapter += (
+        f' [{NOTEBOOK_ICON}]({notebook} "Chapter {e.chapter} as a notebook")'
+        f'{{ download="{Path(notebook).name}" }}'
+    )
+    where = "Run it in the page" if not e.needs else "Its listing, and what it needs"
+    run = f'[{RUN_ICON}]({page.name}#{run_anchor(e.number)} "{where}")'
+    return f"| Experiment {e.number} | {chapter} | {e.title} | {needs} | {run} {command} |"
+
+
 def experiments_markdown(experiments: list[Experiment], docs: Path) -> str:
     chapters = _chapter_pages(docs)
-    rows = []
-    for e in experiments:
-        page = chapters.get(e.chapter)
-        # Short, so the table fits a desktop column; the chapter's title shows on hover.
-        chapter = (
-            f'[Chapter {e.chapter}]({page.name} "{_h1(page)}")' if page else f"Chapter {e.chapter}"
-        )
-        needs = ", ".join(f"`{n}`" for n in e.needs) or "standard library"
-        rows.append(
-            f"| Experiment {e.number} | {chapter} | {e.title} | {needs} | `python {e.path}` |"
-        )
+    rows = [_row(e, chapters.get(e.chapter)) for e in experiments]
+    with_notebooks = sorted({e.chapter for e in experiments} & set(chapters))
+    notebooks = [
+        f"- [{_h1(chapters[c])}]({notebook_uri(chapters[c].name)})"
+        f'{{ download="{Path(notebook_uri(chapters[c].name)).name}" }}'
+        for c in with_notebooks
+    ]
     return "\n".join(
         [
             "# Experiments",
             "",
             "Every numbered experiment in the book, listed from `snippets/` when the site is",
             "built. Run one from the repository's root with the Python you already have; it",
-            "prints exactly the output the book records beside it (`.out`).",
+            "prints exactly the output the book records beside it (`.out`). Or run it where",
+            f"the book shows it: {RUN_ICON} goes to its listing on its chapter's page, where",
+            "the Run button runs a standard-library experiment in your browser. Each",
+            f"chapter's experiments are also a Jupyter notebook ({NOTEBOOK_ICON}), each file",
+            "unchanged with its recorded output.",
             "",
             '<div class="experiments-table" markdown>',
             "",
@@ -155,8 +205,12 @@ def experiments_markdown(experiments: list[Experiment], docs: Path) -> str:
             "</div>",
             "",
             "/// table-caption",
-            "Every experiment, the chapter it belongs to, and the command that runs it.",
+            "Every experiment, the chapter it belongs to, what it needs, and how to run it.",
             "///",
+            "",
+            "The notebooks, one per chapter:",
+            "",
+            *notebooks,
             "",
         ]
     )
@@ -182,6 +236,8 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    if re.match(r"ch\d\d-", page.file.src_uri):
+        return mark_listings(markdown)
     if page.file.src_uri != MAP_PAGE:
         return markdown
     from engine.tools.repo_map import markdown as repo_map  # reads the source; no torch

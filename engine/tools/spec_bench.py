@@ -7,8 +7,8 @@ Each engine warms up on prompts unrelated to the timed ones; each repeat times
 both engines, alternately, on the same fresh prompts (greedy, ignore_eos), so
 that both see the same load. Reported: output tokens/s as a ratio to no
 speculation (the best repeat's and the median's), the acceptance rate, the
-mean accepted length (tokens per verify step, the bonus token included), and
-target forwards (steps) per output token."""
+mean accepted length (tokens per verify step, the bonus token included), a
+request's target passes per output token, and the chosen-k distribution."""
 
 from __future__ import annotations
 
@@ -105,12 +105,12 @@ def compare(
     verifies = sum(s.verify_steps for _, s in runs)
     rate = accepted / drafted if drafted else 0.0
     length = 1 + accepted / verifies if verifies else 1.0
-    fwd = sum(s.steps for _, s in runs) / sum(s.tokens for _, s in runs)
-    fwd_plain = sum(b.steps for b, _ in runs) / sum(b.tokens for b, _ in runs)
+    tokens = sum(s.tokens for _, s in runs)
+    passes = (tokens - accepted) / tokens  # a request's target passes per output token
     return (
         f"{prompts.kind:>7} {batch:>5} {base.tokens_per_s:>10.0f} {run.tokens_per_s:>10.0f} "
         f"{ratios[best]:>6.2f}x {statistics.median(ratios):>6.2f}x {rate:>7.1%} "
-        f"{length:>6.2f} {fwd:>8.3f} {fwd_plain:>8.3f}  {k_shares([s for _, s in runs])}"
+        f"{length:>6.2f} {passes:>8.3f}  {k_shares([s for _, s in runs])}"
     )
 
 
@@ -145,7 +145,7 @@ def run(
         "repeats on fresh prompts, both engines in this process, timed alternately",
         "",
         f"{'prompts':>7} {'batch':>5} {'plain t/s':>10} {'spec t/s':>10} {'best':>7} "
-        f"{'median':>7} {'accept':>7} {'length':>6} {'fwd/tok':>8} {'(plain)':>8}  chosen k",
+        f"{'median':>7} {'accept':>7} {'length':>6} {'pass/tok':>8}  chosen k",
     ]
     for kind in ("book", "random"):
         prompts = Prompts(kind, streams, vocab, input_len)
@@ -155,7 +155,8 @@ def run(
         "",
         "best/median: spec t/s over plain t/s (the best repeat's, the median's); accept: "
         "accepted / drafted; length: tokens per verify step (accepted drafts + 1); "
-        "fwd/tok: target forward passes per output token (all repeats); chosen k: how "
-        "often a request given drafts verified k of them",
+        "pass/tok: a request's target passes per output token, (tokens - accepted) / "
+        "tokens, 1 without speculation (all repeats); chosen k: how often a request given "
+        "drafts verified k of them",
     ]
     return "\n".join(lines)
