@@ -6,7 +6,9 @@
 #                  the prose's numbers and names, plots, and the edition manifest
 #   make regen     rewrite every recorded output, plot and the edition manifest (nothing else writes)
 #   make lint      ruff check and ruff format --check
-#   make pdf       the site with the whole book as one PDF in it: site/inside-deepinfer.pdf
+#   make pdf       the site with the whole book as one PDF in it: site/inside-deepinfer.pdf,
+#                  and as an EPUB beside it
+#   make epub      the whole book as an EPUB, checked by epubcheck: site/inside-deepinfer.epub
 #   make mutate    mutation testing of the engine's core modules, and the score per module
 #                  (not part of make test; about an hour on 2 cores for all of them). One module:
 #                  make mutate MUTANTS='engine.sched.scheduler.*'
@@ -33,7 +35,7 @@ export NO_MKDOCS_2_WARNING := 1
 PYODIDE_VERSION ?= 314.0.8
 PYODIDE := build/pyodide/.installed-$(PYODIDE_VERSION)
 
-.PHONY: serve build test snippets regen lint chromium clean pdf mutate
+.PHONY: serve build test snippets regen lint chromium epubcheck clean pdf epub mutate
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +46,7 @@ $(VENV)/.docs: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --group docs
 	touch $@
 
-# The site and what prints it to PDF (Playwright); still no torch.
+# The site and what prints it to PDF (Playwright) and writes the EPUB (ebooklib); no torch.
 $(VENV)/.pdf: pyproject.toml $(VENV)/.docs
 	$(BIN)/pip install -q --group docs --group pdf
 	touch $@
@@ -78,10 +80,29 @@ $(PYODIDE):
 	fi
 
 # Builds the site into site/ with its print page, and prints that page with
-# Chromium to site/inside-deepinfer.pdf, which every page's footer then links.
-# A plain `make build` has neither the print page nor the link.
-pdf: $(VENV)/.pdf $(PYODIDE) chromium
+# Chromium to site/inside-deepinfer.pdf, and writes the same pages as
+# site/inside-deepinfer.epub, which every page's footer then links.
+# A plain `make build` has neither the print page nor the links.
+pdf: $(VENV)/.pdf $(PYODIDE) chromium epubcheck
 	$(BIN)/python docs/tools/pdf.py --site-dir site
+	$(BIN)/python docs/tools/epub.py --site-dir site --built --out site/inside-deepinfer.epub
+
+# The EPUB alone, from a site built in a temporary folder (site/ keeps its pages),
+# and epubcheck's verdict on it: an error fails the target.
+epub: $(VENV)/.pdf $(PYODIDE) chromium epubcheck
+	$(BIN)/python docs/tools/epub.py --check --out site/inside-deepinfer.epub
+
+# Debian's epubcheck (a Java program) validates the EPUB; installed when it is
+# missing and we may (root). Elsewhere `make pdf` writes the EPUB unchecked.
+epubcheck:
+	@if [ ! -e /usr/share/java/epubcheck.jar ] && ! command -v epubcheck >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq epubcheck >/dev/null) \
+	      || { echo "error: could not install epubcheck with apt-get"; exit 1; }; \
+	  else \
+	    echo "note: epubcheck is missing and cannot be installed here; the EPUB is not checked"; \
+	  fi; \
+	fi
 
 # The browser test drives a system Chromium; install it when it is missing and
 # we may (root), as on a fresh CI machine.
@@ -95,7 +116,7 @@ chromium:
 	  fi; \
 	fi
 
-test: $(VENV)/.all $(PYODIDE) chromium
+test: $(VENV)/.all $(PYODIDE) chromium epubcheck
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # mutmut's settings (the modules, the tests) are [tool.mutmut] in pyproject.toml.
