@@ -210,32 +210,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def measure_step_times(self, sizes: list[int]) -> list[float]:
-        """Seconds of a forward pass over n tokens, for each n in ``sizes``: one
-        dummy sequence of n tokens in blocks 0, 1, ..., the median of three runs
-        after a warm-up (the verify-length schedule's cost side). What they
-        write is zeroed again before any request gets those blocks."""
+        """Seconds of a decode step of n one-token sequences, for each n in
+        ``sizes`` (the verify-length schedule's cost side): dummy sequences all
+        in block 0, as _compile_decode_now's, the median of five runs after a
+        warm-up. What they write is zeroed again before any request gets it."""
         times = []
+        self.kv_cache.touch(1)
         for n in sizes:
             ids = self._tensor([0] * n, torch.int64)
-            positions = self._tensor(list(range(n)), torch.int64)
-            blocks = cdiv(n, self.block_size)
-            meta = AttentionMetadata(
-                slot_mapping=positions.clone(),
-                block_tables=self._tensor([list(range(blocks))], torch.int32),
-                context_lens=self._tensor([n], torch.int32),
-                cu_seqlens_q=self._tensor([0, n], torch.int32),
-                num_decodes=0,
-                context_lens_cpu=[n],
-                query_lens_cpu=[n],
-            )
-            self.kv_cache.touch(blocks)
+            positions = ids.clone()
+            tables = self._tensor([[0]] * n, torch.int32)
+            meta = for_decodes(ids.clone(), tables, self._tensor([1] * n, torch.int32), [1] * n)
             runs = []
             with forward_context(meta, self.backend.build_metadata(meta), self.backend):
-                for _ in range(4):
+                for _ in range(6):
                     start = time.perf_counter()
-                    self.model.compute_logits(self.model(ids, positions)[-1:])
+                    self.model.compute_logits(self.model(ids, positions))
                     runs.append(time.perf_counter() - start)
-            times.append(sorted(runs[1:])[1])
+            times.append(sorted(runs[1:])[2])
         self.kv_cache.forget_touched()
         return times
 
