@@ -14,17 +14,14 @@ has no browser behind the book: nothing in it runs a script or loads anything fr
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -98,40 +95,8 @@ class Written:
 
 def sections(site_dir: Path, chromium: Path) -> list[str]:
     """Each chapter's section of SITE_DIR/print_page/, drawn and typeset, as XHTML text."""
-    from playwright.sync_api import sync_playwright
-
-    server = ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(pdf._Quiet, directory=site_dir)
-    )
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    offsite: list[str] = []
-
-    def route(r):
-        if urlparse(r.request.url).hostname in ("127.0.0.1", None):
-            return r.continue_()
-        offsite.append(r.request.url)
-        return r.abort()
-
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=str(chromium), args=pdf.CHROMIUM_ARGS)
-            page = browser.new_page(color_scheme="light")
-            page.route("**/*", route)
-            page.add_init_script(pdf.OPEN_SHADOWS)
-            page.goto(f"http://127.0.0.1:{server.server_address[1]}/print_page/")
-            page.wait_for_load_state("networkidle")
-            page.wait_for_function(
-                f"(() => {{ const r = ({pdf.RENDERED})();"
-                " return r.drawn === r.diagrams && r.typeset === r.math; })()",
-                timeout=60_000,
-            )
-            found = page.evaluate(SECTIONS)
-            browser.close()
-    finally:
-        server.shutdown()
-    if offsite:
-        raise RuntimeError(f"the print page tried to leave the machine: {offsite}")
-    return found
+    with pdf.rendered_print_page(site_dir, chromium) as page:
+        return page.evaluate(SECTIONS)
 
 
 def unwrap(element: etree._Element) -> None:

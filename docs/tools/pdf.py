@@ -14,12 +14,14 @@ render, or a request that tries to leave the machine, fails the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -86,15 +88,17 @@ def build(site_dir: Path) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True, env=env)
 
 
-def print_book(site_dir: Path, chromium: Path) -> Printed:
-    """Print SITE_DIR/print_page/ (already built) to SITE_DIR/inside-deepinfer.pdf."""
+@contextlib.contextmanager
+def rendered_print_page(site_dir: Path, chromium: Path, **page_options) -> Iterator:
+    """SITE_DIR/print_page/ (already built), served on 127.0.0.1 and open in headless
+    Chromium with every request off the machine refused, once every diagram is
+    drawn and every formula typeset: the Playwright page, for printing or reading.
+    A request that tried to leave the machine fails it, after the page is closed."""
     from playwright.sync_api import sync_playwright
 
-    start = time.monotonic()
     handler = functools.partial(_Quiet, directory=site_dir)
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/print_page/"
     offsite: list[str] = []
 
     def route(r):
@@ -103,35 +107,42 @@ def print_book(site_dir: Path, chromium: Path) -> Printed:
         offsite.append(r.request.url)
         return r.abort()
 
-    out = site_dir / PDF_NAME
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
-            page = browser.new_page(color_scheme="light", viewport={"width": 1200, "height": 900})
+            page = browser.new_page(color_scheme="light", **page_options)
             page.route("**/*", route)
             page.add_init_script(OPEN_SHADOWS)
-            page.goto(url)
+            page.goto(f"http://127.0.0.1:{server.server_address[1]}/print_page/")
             page.wait_for_load_state("networkidle")
             page.wait_for_function(
                 f"(() => {{ const r = ({RENDERED})();"
                 " return r.drawn === r.diagrams && r.typeset === r.math; })()",
                 timeout=60_000,
             )
-            done = page.evaluate(RENDERED)
-            page.evaluate(CONTENTS)
-            page.emulate_media(media="print")
-            page.pdf(
-                path=str(out),
-                format="A4",
-                margin={"top": "18mm", "bottom": "18mm", "left": "16mm", "right": "16mm"},
-                print_background=True,
-                outline=True,  # the headings become the PDF's bookmarks
-            )
+            yield page
             browser.close()
     finally:
         server.shutdown()
     if offsite:
         raise RuntimeError(f"the print page tried to leave the machine: {offsite}")
+
+
+def print_book(site_dir: Path, chromium: Path) -> Printed:
+    """Print SITE_DIR/print_page/ (already built) to SITE_DIR/inside-deepinfer.pdf."""
+    start = time.monotonic()
+    out = site_dir / PDF_NAME
+    with rendered_print_page(site_dir, chromium, viewport={"width": 1200, "height": 900}) as page:
+        done = page.evaluate(RENDERED)
+        page.evaluate(CONTENTS)
+        page.emulate_media(media="print")
+        page.pdf(
+            path=str(out),
+            format="A4",
+            margin={"top": "18mm", "bottom": "18mm", "left": "16mm", "right": "16mm"},
+            print_background=True,
+            outline=True,  # the headings become the PDF's bookmarks
+        )
     return Printed(out, done["diagrams"], done["math"], done["labels"], time.monotonic() - start)
 
 
