@@ -32,7 +32,6 @@ class Timed:
     drafted: int
     accepted: int
     verify_steps: int
-    steps: int
     tokens: int
     chosen: list[int]  # chosen_lengths' growth: how often each k was verified
 
@@ -68,7 +67,7 @@ def timed(llm: LLM, prompts: list[list[int]], output_len: int) -> Timed:
     """One greedy generate, with the engine's counters' change over it."""
     stats: EngineStats = llm.stats
     spec = stats.spec_decode
-    before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts, stats.steps)
+    before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts)
     before_tokens = stats.generated_tokens
     before_chosen = list(spec.chosen_lengths)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -76,11 +75,11 @@ def timed(llm: LLM, prompts: list[list[int]], output_len: int) -> Timed:
     llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = stats.generated_tokens - before_tokens
-    after = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts, stats.steps)
+    after = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts)
     d = [a - b for a, b in zip(after, before)]
     chosen = [n - (before_chosen[k] if k < len(before_chosen) else 0)
               for k, n in enumerate(spec.chosen_lengths)]  # fmt: skip
-    return Timed(tokens / seconds, d[0], d[1], d[2], d[3], tokens, chosen)
+    return Timed(tokens / seconds, d[0], d[1], d[2], tokens, chosen)
 
 
 def compare(
