@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv.quant import quant_format
 from engine.models.config import ModelConfig
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -25,7 +26,8 @@ class EngineConfig:
     dtype: torch.dtype | str | None = None  # None: bfloat16, or float32 on a CPU without
     # fast bf16 matmul (see default_cpu_dtype)
     block_size: int = 16
-    # The KV cache's element format. "auto": the model's dtype, the only one so far.
+    # The KV cache's element format: "auto", the model's dtype; "fp8_e4m3" or "int8",
+    # one byte a number with float32 scales beside them (engine/kv/quant.py).
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
     max_num_seqs: int = 256
@@ -72,8 +74,7 @@ class EngineConfig:
             raise ValueError(f"model path {self.model!r} has no config.json")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}")
+        quant_format(self.kv_cache_dtype)  # ValueError unless a known format
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         self.hf_config = ModelConfig.from_pretrained(path)
@@ -92,6 +93,24 @@ class EngineConfig:
         self._check_expert_parallel()
         self._check_speculative()
         self._check_batch_invariant()
+        self._check_kv_cache_dtype()
+
+    def _check_kv_cache_dtype(self) -> None:
+        """What a quantized KV cache cannot run on yet."""
+        if self.kv_cache_dtype == "auto":
+            return
+        if self.batch_invariant:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} does not combine with "
+                "batch_invariant=True yet: the split-KV attention path reads only an "
+                "unquantized cache"
+            )
+        if self.hf_config.mla is not None and self.attention_backend == "triton":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} on an MLA model (DeepSeek) needs "
+                "attention_backend 'torch' or 'cpu': the Triton MLA decode kernel reads "
+                "only an unquantized latent"
+            )
 
     def _check_batch_invariant(self) -> None:
         """What batch-invariant mode cannot run on yet."""
@@ -113,6 +132,8 @@ class EngineConfig:
     @property
     def kv_format(self) -> str:
         """What one cached element is: with "auto", the model's dtype."""
+        if self.kv_cache_dtype != "auto":
+            return f"{self.kv_cache_dtype}+{str(self.dtype).removeprefix('torch.')}"
         return str(self.dtype).removeprefix("torch.")
 
     @property

@@ -5,7 +5,8 @@ pays twice for it: it copies every block of a group's contexts into a padded
 tensor, then reads that copy in scaled_dot_product_attention. The operator in
 engine/csrc/paged_attention.cpp reads each block where it lies, through the
 block table. Prompt chunks still run through the torch backend's code.
-Decodes with drafts run through the operator too, a query token per row.
+Decodes with drafts run through the operator too, a query token per row. A
+quantized cache's codes are scaled inside the operator, row by row.
 """
 
 from __future__ import annotations
@@ -86,12 +87,12 @@ class CpuBackend(TorchBackend):
         if d and rows is None:  # one query per decode, at the start of the batch
             tables, lens = attn_metadata.decode_tables, attn_metadata.decode_lens
             out[:d] = torch.ops.deepinfer.paged_decode_attention(
-                q[:d], cache.k, cache.v, tables, lens, scale
+                q[:d], cache.k, cache.v, tables, lens, scale, cache.k_scale, cache.v_scale
             )
         elif d:  # a step with drafts: every short query's token (_verify_metadata)
             tables, lens = attn_metadata.decode_tables, attn_metadata.decode_lens
             out[rows] = torch.ops.deepinfer.paged_decode_attention(
-                q[rows], cache.k, cache.v, tables, lens, scale
+                q[rows], cache.k, cache.v, tables, lens, scale, cache.k_scale, cache.v_scale
             )
         return out
 

@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.kv_cache import LatentKV, PagedKV, gather_latents, store_kvcache, store_latent
+from engine.kv.kv_cache import (
+    LatentKV,
+    PagedKV,
+    as_bytes,
+    dequantize_rows,
+    gather_latents,
+    store_kvcache,
+    store_latent,
+)
 from engine.layers.layernorm import rms_norm
 from engine.layers.rotary_embedding import rotary_embedding
 from engine.utils import cdiv
@@ -34,6 +42,19 @@ def gather_blocks(
     seqs, blocks = tables.shape
     gathered = torch.index_select(cache, 0, tables.flatten(), out=out)
     return gathered.view(seqs, blocks * cache.shape[1], *cache.shape[2:])
+
+
+def dequantized(
+    cache: PagedKV, tables: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized cache's keys and values in these blocks, [seqs, L, kv_heads,
+    head_dim] numbers of ``dtype``: each row's codes times the scale beside it."""
+    assert cache.k_scale is not None and cache.v_scale is not None
+    ks = gather_blocks(as_bytes(cache.k), tables).view(cache.k.dtype)
+    vs = gather_blocks(as_bytes(cache.v), tables).view(cache.v.dtype)
+    k_scales = gather_blocks(cache.k_scale, tables)  # [seqs, L, kv_heads]
+    v_scales = gather_blocks(cache.v_scale, tables)
+    return dequantize_rows(ks, k_scales, dtype), dequantize_rows(vs, v_scales, dtype)
 
 
 DECODE_GROUP = 16  # decodes per padded attention batch
@@ -157,7 +178,12 @@ class TorchBackend(TorchLatents):
         out = q.new_empty(*q.shape[:2], rank)
         for group in attn_metadata.decode_groups:
             rows, tables = group.rows, group.tables
-            latents = gather_blocks(cache.rows, tables, self._buffer("latent", cache.rows, tables))
+            if cache.scales is None:
+                latents = gather_blocks(
+                    cache.rows, tables, self._buffer("latent", cache.rows, tables)
+                )
+            else:  # quantized: codes times their scales, beside the rotary keys
+                latents = cache.numbers(tables).flatten(1, 2)
             latents = latents[:, None]  # [seqs, 1, L, rank + rope]: the one KV head
             o = F.scaled_dot_product_attention(
                 q[rows][:, None], latents, latents[..., :rank], attn_mask=group.valid, scale=scale
@@ -174,8 +200,11 @@ class TorchBackend(TorchLatents):
         kv_heads = k_cache.shape[2]
         for group in attn_metadata.decode_groups:  # one query per sequence
             rows, tables = group.rows, group.tables
-            ks = gather_blocks(k_cache, tables, self._buffer("k", k_cache, tables))
-            vs = gather_blocks(v_cache, tables, self._buffer("v", v_cache, tables))
+            if cache.k_scale is None:
+                ks = gather_blocks(k_cache, tables, self._buffer("k", k_cache, tables))
+                vs = gather_blocks(v_cache, tables, self._buffer("v", v_cache, tables))
+            else:  # one-byte codes, times their scales (engine/kv/quant.py)
+                ks, vs = dequantized(cache, tables, q.dtype)
             ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [seqs, kv_heads, L, head_dim]
             # GQA: the query heads that share a KV head become that head's query
             # rows, so each key is scored against all of them in one matmul.
@@ -186,11 +215,18 @@ class TorchBackend(TorchLatents):
         for chunk in attn_metadata.prefill_chunks:
             start, n, mask = chunk.start, chunk.num_tokens, chunk.mask
             if chunk.tables is None:  # a whole prompt: its keys are the new ones, causal
-                ks, vs = k[start : start + n], v[start : start + n]
+                ks, vs = (
+                    cache.as_stored(k[start : start + n]),
+                    cache.as_stored(v[start : start + n]),
+                )
             else:  # a later chunk, or a prefix-cache hit: read the prefix from the cache
                 ctx = mask.shape[1]
-                ks = gather_blocks(k_cache, chunk.tables)[0, :ctx]
-                vs = gather_blocks(v_cache, chunk.tables)[0, :ctx]
+                if cache.k_scale is None:
+                    ks = gather_blocks(k_cache, chunk.tables)
+                    vs = gather_blocks(v_cache, chunk.tables)
+                else:
+                    ks, vs = dequantized(cache, chunk.tables, q.dtype)
+                ks, vs = ks[0, :ctx], vs[0, :ctx]
             o = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1)[None],
                 ks.transpose(0, 1)[None],

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchLatents
-from engine.kv.kv_cache import LatentKV, PagedKV
+from engine.kv.kv_cache import LatentKV, PagedKV, store_kvcache
 from engine.layers.batch_invariant import one_query_per_row
 
 
@@ -68,6 +68,9 @@ class TritonBackend(TorchLatents):  # MLA's store and gather, in torch
         return TritonAttentionMetadata(d, meta.block_tables[:d], meta.context_lens[:d], prefill)
 
     def store_kvcache(self, k, v, cache: PagedKV, slot_mapping) -> None:
+        if cache.k_scale is not None:  # quantized, in torch: engine/kv/quant.py
+            store_kvcache(k, v, cache, slot_mapping)
+            return
         self.kernels.store_kvcache(k, v, cache.k, cache.v, slot_mapping)
 
     def forward(self, q, k, v, cache: PagedKV, attn_metadata: TritonAttentionMetadata, scale):
@@ -82,6 +85,8 @@ class TritonBackend(TorchLatents):  # MLA's store and gather, in torch
                 attn_metadata.context_lens,
                 scale,
                 out=out[:d],
+                k_scale=cache.k_scale,
+                v_scale=cache.v_scale,
             )
         if prefill is not None:
             self.kernels.paged_prefill_attention(
@@ -94,6 +99,8 @@ class TritonBackend(TorchLatents):  # MLA's store and gather, in torch
                 scale,
                 out=out[d:],
                 max_seqlen_q=prefill.max_seqlen_q,
+                k_scale=cache.k_scale,
+                v_scale=cache.v_scale,
             )
         return out
 

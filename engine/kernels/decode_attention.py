@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dot_dtype, load_k_tile, online_softmax_step
+from engine.kernels.common import cache_codes, dot_dtype, load_k_tile, online_softmax_step
 
 KV_SPLIT_SIZE = 256  # tokens per split; a multiple of BLOCK_N
 BLOCK_N = 64  # keys per tile within a split
@@ -37,6 +37,8 @@ def decode_attention_stage1_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     mid_o_ptr,
@@ -57,6 +59,7 @@ def decode_attention_stage1_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CODES: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -87,6 +90,7 @@ def decode_attention_stage1_kernel(
     for start in range(split_start, split_end, BLOCK_N):
         offs_n, mask_n, kv_offset, k = load_k_tile(
             k_cache_ptr,
+            k_scale_ptr,
             block_tables_ptr,
             seq,
             max_blocks_per_seq,
@@ -99,12 +103,25 @@ def decode_attention_stage1_kernel(
             HEAD_DIM,
             BLOCK_SIZE,
             BLOCK_N,
+            CODES,
             DOT_DTYPE,
         )
         scores = tl.dot(q, k, input_precision="ieee") * qk_scale
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
         m_i, l_i, acc = online_softmax_step(
-            scores, m_i, l_i, acc, v_cache_ptr, kv_offset, offs_d, mask_n, mask_d, DOT_DTYPE
+            scores,
+            m_i,
+            l_i,
+            acc,
+            v_cache_ptr,
+            v_scale_ptr,
+            kv_offset,
+            offs_d,
+            mask_n,
+            mask_d,
+            HEAD_DIM,
+            CODES,
+            DOT_DTYPE,
         )
 
     # The split's own attention output, and the log2 of its softmax denominator.
@@ -173,12 +190,16 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q ([batch, num_heads, head_dim], one token per sequence) over the paged cache.
 
     Sequence i attends to its first context_lens[i] cached tokens (its own
     token included, already stored), found through block_tables[i]. Returns
     `out` ([batch, num_heads, head_dim], q's dtype), allocated if not given.
+    A quantized cache holds int8 or FP8 codes, with k_scale and v_scale
+    [num_blocks, block_size, num_kv_heads] float32 beside them.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -187,6 +208,9 @@ def paged_decode_attention(
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert block_tables.shape[0] == batch and block_tables.is_contiguous()
     assert KV_SPLIT_SIZE % BLOCK_N == 0
+    k_cache, codes = cache_codes(k_cache)
+    v_cache, _ = cache_codes(v_cache)
+    assert (k_scale is None) == (v_scale is None) == (codes == 0)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.stride(2) == 1
@@ -210,6 +234,8 @@ def paged_decode_attention(
         q,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,  # unread without codes
+        v_cache if v_scale is None else v_scale,
         block_tables,
         context_lens,
         mid_o,
@@ -228,7 +254,8 @@ def paged_decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group_size)),
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
-        DOT_DTYPE=dot_dtype(k_cache.dtype),
+        CODES=codes,
+        DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=4,
         num_stages=2,
     )

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dot_dtype, load_k_tile, online_softmax_step
+from engine.kernels.common import cache_codes, dot_dtype, load_k_tile, online_softmax_step
 
 BLOCK_M = 64  # queries per program
 BLOCK_N = 64  # keys per tile
@@ -33,6 +33,8 @@ def prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     context_lens_ptr,
@@ -51,6 +53,7 @@ def prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CODES: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -85,6 +88,7 @@ def prefill_attention_kernel(
     for start in range(0, kv_end, BLOCK_N):
         offs_n, mask_n, kv_offset, k = load_k_tile(
             k_cache_ptr,
+            k_scale_ptr,
             block_tables_ptr,
             seq,
             max_blocks_per_seq,
@@ -97,6 +101,7 @@ def prefill_attention_kernel(
             HEAD_DIM,
             BLOCK_SIZE,
             BLOCK_N,
+            CODES,
             DOT_DTYPE,
         )
         scores = tl.dot(q, k, input_precision="ieee") * qk_scale
@@ -105,7 +110,19 @@ def prefill_attention_kernel(
         causal = offs_n[None, :] <= positions[:, None]
         scores = tl.where(causal & mask_n[None, :], scores, float("-inf"))
         m_i, l_i, acc = online_softmax_step(
-            scores, m_i, l_i, acc, v_cache_ptr, kv_offset, offs_d, mask_n, mask_d, DOT_DTYPE
+            scores,
+            m_i,
+            l_i,
+            acc,
+            v_cache_ptr,
+            v_scale_ptr,
+            kv_offset,
+            offs_d,
+            mask_n,
+            mask_d,
+            HEAD_DIM,
+            CODES,
+            DOT_DTYPE,
         )
 
     out = acc / l_i[:, None]
@@ -129,6 +146,8 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([num_tokens, num_heads, head_dim], sequences flattened) over the cache.
 
@@ -136,7 +155,7 @@ def paged_prefill_attention(
     the last positions of its context_lens[i] cached tokens. Returns `out`
     (q's shape and dtype), allocated if not given. `max_seqlen_q`, the longest
     query, sizes the grid; pass it when known, since computing it here waits
-    for the GPU.
+    for the GPU. A quantized cache has k_scale and v_scale, as for decode.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -146,6 +165,9 @@ def paged_prefill_attention(
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert block_tables.shape[0] == batch and block_tables.is_contiguous()
     assert context_lens.shape == (batch,)
+    k_cache, codes = cache_codes(k_cache)
+    v_cache, _ = cache_codes(v_cache)
+    assert (k_scale is None) == (v_scale is None) == (codes == 0)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.stride(2) == 1
@@ -158,6 +180,8 @@ def paged_prefill_attention(
         q,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,  # unread without codes
+        v_cache if v_scale is None else v_scale,
         block_tables,
         cu_seqlens_q,
         context_lens,
@@ -176,7 +200,8 @@ def paged_prefill_attention(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_DTYPE=dot_dtype(k_cache.dtype),
+        CODES=codes,
+        DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=4,
         num_stages=2,
     )

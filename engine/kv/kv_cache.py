@@ -19,12 +19,13 @@ the pool, or hands them to another engine, would.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, cast
 
 import torch
 
 from engine.config import EngineConfig
+from engine.kv.quant import FORMATS, QuantFormat, dequantize, quant_format, quantize
 from engine.utils import cdiv
 
 
@@ -50,6 +51,11 @@ class KVCacheSpec(Protocol):
         pool zeroes them)."""
         ...
 
+    def quantized(self, fmt: QuantFormat) -> KVCacheSpec:
+        """This format with its numbers kept as ``fmt``'s one-byte codes and their
+        scales (engine/kv/quant.py); ValueError if this layer's cache cannot be."""
+        ...
+
 
 class CachedLayer(Protocol):
     """An attention layer as the pool sees it: it says what it caches, and holds it."""
@@ -61,83 +67,206 @@ class CachedLayer(Protocol):
 
 @dataclass
 class PagedKV:
-    """One layer's keys and values, each [num_blocks, block_size, kv_heads, head_dim]."""
+    """One layer's keys and values, each [num_blocks, block_size, kv_heads, head_dim].
+    Quantized, k and v hold one-byte codes, and k_scale and v_scale, each
+    [num_blocks, block_size, kv_heads] float32, a scale per token and head."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # None: k and v hold the numbers themselves
+    v_scale: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
+        scales = (
+            [] if self.k_scale is None or self.v_scale is None else [self.k_scale, self.v_scale]
+        )
+        return [self.k, self.v, *scales]
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values [tokens, kv_heads, head_dim] as this cache gives them back:
+        what attention over new tokens must read too, so that a token is seen the
+        same whether its step wrote it or an earlier one did."""
+        if self.k_scale is None:
+            return x
+        return round_trip(x, quant_format_of(self.k.dtype), group=x.shape[-1])
 
 
 @dataclass(frozen=True)
 class FullAttentionSpec:
-    """A key and a value of ``head_dim`` numbers per KV head, for every token."""
+    """A key and a value of ``head_dim`` numbers per KV head, for every token; with
+    ``quant``, one byte each, plus a float32 scale per token, head, key and value."""
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    quant: QuantFormat | None = None
 
     def block_bytes(self, block_size: int) -> int:
-        return 2 * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        per_head = self.head_dim * self.dtype.itemsize
+        if self.quant is not None:
+            per_head = self.head_dim * self.quant.storage.itemsize + SCALE_BYTES
+        return 2 * block_size * self.num_kv_heads * per_head
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> PagedKV:
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        kv = torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
-        return PagedKV(kv[0], kv[1])
+        if self.quant is None:
+            kv = torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
+            return PagedKV(kv[0], kv[1])
+        codes = torch.empty(shape, dtype=self.quant.storage, device=device)
+        scales = torch.empty(shape[:-1], dtype=torch.float32, device=device)
+        return PagedKV(codes[0], codes[1], scales[0], scales[1])
+
+    def quantized(self, fmt: QuantFormat) -> FullAttentionSpec:
+        return replace(self, quant=fmt)
+
+
+SCALE_BYTES = 4  # one float32 scale
 
 
 def store_kvcache(
     k: torch.Tensor, v: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor
 ) -> None:
-    """Write this step's keys and values into their slots, one indexed copy each.
-    (Slot -1, the padding of a CUDA graph's batch, never reaches this function.)"""
-    cache.k.view(-1, *cache.k.shape[2:]).index_copy_(0, slot_mapping, k)
-    cache.v.view(-1, *cache.v.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Write this step's keys and values into their slots, one indexed copy each;
+    into a quantized cache, as codes with a scale per token and head, each head's
+    vector its own group. (Slot -1, the padding of a CUDA graph's batch, never
+    reaches this function.)"""
+    if cache.k_scale is None or cache.v_scale is None:
+        cache.k.view(-1, *cache.k.shape[2:]).index_copy_(0, slot_mapping, k)
+        cache.v.view(-1, *cache.v.shape[2:]).index_copy_(0, slot_mapping, v)
+        return
+    fmt = quant_format_of(cache.k.dtype)
+    for x, codes, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        x_codes, x_scales = quantize(x, fmt, group=x.shape[-1])
+        as_bytes(codes).view(-1, *codes.shape[2:]).index_copy_(0, slot_mapping, as_bytes(x_codes))
+        scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, x_scales[..., 0])
+
+
+def round_trip(x: torch.Tensor, fmt: QuantFormat, group: int) -> torch.Tensor:
+    """x coded in ``fmt`` and read back, in x's dtype."""
+    return dequantize(*quantize(x, fmt, group), x.dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte tensor as uint8, the same memory: torch copies and indexes bytes,
+    but not FP8 values, on every device."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def quant_format_of(storage: torch.dtype) -> QuantFormat:
+    """The format whose codes a cache tensor of ``storage`` dtype holds."""
+    return next(f for f in FORMATS.values() if f.storage == storage)
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached codes [..., kv_heads, head_dim] with their scales [..., kv_heads] as
+    numbers of ``dtype``: what attention reads from a quantized cache."""
+    return dequantize(codes, scales[..., None], dtype)
 
 
 @dataclass(frozen=True)
 class MLACacheSpec:
     """Multi-head latent attention (engine/layers/mla.py): one row per token, the
-    latent (kv_lora_rank numbers) then the rotary key (rope_dim), for all heads."""
+    latent (kv_lora_rank numbers) then the rotary key (rope_dim), for all heads.
+
+    With ``quant``, FlashMLA's FP8 layout for DeepSeek-V3.2: the latent as one-byte
+    codes with a float32 scale per LATENT_GROUP of them, and the rotary key kept in
+    the model's dtype, since the positions it encodes need its precision."""
 
     kv_lora_rank: int
     rope_dim: int
     dtype: torch.dtype
+    quant: QuantFormat | None = None
 
     def block_bytes(self, block_size: int) -> int:
-        return block_size * (self.kv_lora_rank + self.rope_dim) * self.dtype.itemsize
+        if self.quant is None:
+            return block_size * (self.kv_lora_rank + self.rope_dim) * self.dtype.itemsize
+        codes = self.kv_lora_rank * self.quant.storage.itemsize
+        scales = self.kv_lora_rank // self.latent_group * SCALE_BYTES
+        return block_size * (codes + scales + self.rope_dim * self.dtype.itemsize)
+
+    @property
+    def latent_group(self) -> int:
+        """Latent numbers per scale: LATENT_GROUP, or the whole latent if smaller."""
+        return min(LATENT_GROUP, self.kv_lora_rank)
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> LatentKV:
-        """[num_blocks, block_size, kv_lora_rank + rope_dim]."""
-        shape = (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
-        return LatentKV(torch.empty(shape, dtype=self.dtype, device=device))  # the pool zeroes it
+        """[num_blocks, block_size, kv_lora_rank + rope_dim]; quantized, the codes
+        [.., kv_lora_rank], their scales [.., groups] and the rotary keys [.., rope_dim]."""
+        rows = (num_blocks, block_size)
+        if self.quant is None:
+            shape = (*rows, self.kv_lora_rank + self.rope_dim)
+            return LatentKV(torch.empty(shape, dtype=self.dtype, device=device))  # zeroed later
+        groups = self.kv_lora_rank // self.latent_group
+        return LatentKV(
+            torch.empty((*rows, self.kv_lora_rank), dtype=self.quant.storage, device=device),
+            torch.empty((*rows, groups), dtype=torch.float32, device=device),
+            torch.empty((*rows, self.rope_dim), dtype=self.dtype, device=device),
+        )
+
+    def quantized(self, fmt: QuantFormat) -> MLACacheSpec:
+        if self.kv_lora_rank % self.latent_group:
+            raise ValueError(
+                f"a quantized MLA cache needs kv_lora_rank ({self.kv_lora_rank}) to be a "
+                f"multiple of {LATENT_GROUP}, the numbers that share a scale"
+            )
+        return replace(self, quant=fmt)
+
+
+LATENT_GROUP = 128  # MLA latent numbers per scale, as in FlashMLA's FP8 format
 
 
 @dataclass
 class LatentKV:
     """One MLA layer's cache: a [latent, rotary key] row per token slot,
-    [num_blocks, block_size, kv_lora_rank + rope_dim]."""
+    [num_blocks, block_size, kv_lora_rank + rope_dim]. Quantized, ``rows`` holds
+    only the latent's codes, beside its ``scales`` and the rotary keys ``rope``."""
 
     rows: torch.Tensor
+    scales: torch.Tensor | None = None
+    rope: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.rows]
+        extra = [] if self.scales is None or self.rope is None else [self.scales, self.rope]
+        return [self.rows, *extra]
+
+    def as_stored(self, latent: torch.Tensor) -> torch.Tensor:
+        """Latents [tokens, rank] as this cache gives them back (see PagedKV.as_stored)."""
+        if self.scales is None:
+            return latent
+        group = latent.shape[-1] // self.scales.shape[-1]
+        return round_trip(latent, quant_format_of(self.rows.dtype), group)
+
+    def numbers(self, blocks: torch.Tensor) -> torch.Tensor:
+        """These blocks' rows as numbers of the model's dtype,
+        [len(blocks), block_size, rank + rope]."""
+        if self.scales is None or self.rope is None:
+            return self.rows[blocks]
+        codes = as_bytes(self.rows)[blocks].view(self.rows.dtype)
+        latent = dequantize(codes, self.scales[blocks], self.rope.dtype)
+        return torch.cat([latent, self.rope[blocks]], dim=-1)
 
 
 def store_latent(
     latent: torch.Tensor, k_rope: torch.Tensor, cache: LatentKV, slot_mapping: torch.Tensor
 ) -> None:
-    """Write this step's [latent, rotary key] rows into their slots, one indexed copy."""
-    rows = torch.cat([latent, k_rope], dim=-1)
-    cache.rows.view(-1, rows.shape[-1]).index_copy_(0, slot_mapping, rows)
+    """Write this step's [latent, rotary key] rows into their slots, one indexed copy;
+    quantized, the latent's codes and scales, and the rotary key as it is."""
+    if cache.scales is None or cache.rope is None:
+        rows = torch.cat([latent, k_rope], dim=-1)
+        cache.rows.view(-1, rows.shape[-1]).index_copy_(0, slot_mapping, rows)
+        return
+    fmt = quant_format_of(cache.rows.dtype)
+    codes, scales = quantize(latent, fmt, group=latent.shape[-1] // cache.scales.shape[-1])
+    as_bytes(cache.rows).view(-1, codes.shape[-1]).index_copy_(0, slot_mapping, as_bytes(codes))
+    cache.scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, scales)
+    cache.rope.view(-1, k_rope.shape[-1]).index_copy_(0, slot_mapping, k_rope)
 
 
 def gather_latents(cache: LatentKV, block_table: torch.Tensor, context: int) -> torch.Tensor:
     """The first ``context`` rows [context, rank + rope] of one sequence, read
     through its block table (one row of the step's, padded with -1 past its blocks)."""
     blocks = block_table[: cdiv(context, cache.rows.shape[1])].long()
-    return cache.rows[blocks].flatten(0, 1)[:context]
+    return cache.numbers(blocks).flatten(0, 1)[:context]
 
 
 @dataclass
@@ -155,6 +284,11 @@ class KVBlocks:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for ts in self.layers for t in ts)
+
+
+def _select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``t``, copied to the host, in ``t``'s dtype."""
+    return as_bytes(t).index_select(0, index).cpu().view(t.dtype)
 
 
 @dataclass(frozen=True)
@@ -175,7 +309,9 @@ class KVCachePool:
     ) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.specs = [layer.kv_cache_spec(config.dtype) for layer in layers]
+        fmt = quant_format(config.kv_cache_dtype)
+        specs = [layer.kv_cache_spec(config.dtype) for layer in layers]
+        self.specs = specs if fmt is None else [spec.quantized(fmt) for spec in specs]
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(device)
         self.max_model_len = self._max_model_len()
         self.layers = layers
@@ -199,7 +335,7 @@ class KVCachePool:
         lo, hi = self.num_touched_blocks, min(num_blocks, self.num_blocks)
         for cache in self._caches():
             for t in cache.tensors():
-                t[lo:hi].zero_()
+                as_bytes(t)[lo:hi].zero_()
         self.num_touched_blocks = hi
 
     def forget_touched(self) -> None:
@@ -212,9 +348,7 @@ class KVCachePool:
         block never used reads as zeros (it is zeroed first, as on its first use)."""
         index = self._block_index(block_ids)
         self.touch(max(block_ids, default=-1) + 1)
-        return KVBlocks(
-            [[t.index_select(0, index).cpu() for t in c.tensors()] for c in self._caches()]
-        )
+        return KVBlocks([[_select(t, index) for t in c.tensors()] for c in self._caches()])
 
     def write_blocks(self, block_ids: list[int], data: KVBlocks) -> None:
         """Copy ``data`` (what some pool's ``read_blocks`` returned, for blocks
@@ -226,7 +360,7 @@ class KVCachePool:
         self.touch(max(block_ids, default=-1) + 1)  # so that no later first use zeroes them
         for cache, tensors in zip(self._caches(), data.layers):
             for t, rows in zip(cache.tensors(), tensors):
-                t.index_copy_(0, index, rows.to(t.device))
+                as_bytes(t).index_copy_(0, index, as_bytes(rows.to(t.device)))
 
     def _caches(self) -> list[KVCache]:
         """Every layer's cache, as ``__init__`` bound it."""

@@ -105,7 +105,7 @@ class MLAAttention(nn.Module):
             out[:d] = absorb_output(o_latent, w_uv)
         if d < len(q_nope):  # expanded: per-head keys and values, in torch on every backend
             q = torch.cat([q_nope, q_rope], dim=-1)
-            rows = torch.cat([latent, k_rope], dim=-1)
+            rows = torch.cat([self.kv_cache.as_stored(latent), k_rope], dim=-1)
             self._prefill(q, rows, kv_b, meta, out)
         return out
 

@@ -43,6 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
         args.model,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         compile_decode=args.compile_decode,
         speculative_config=args.speculative_config,
@@ -76,6 +77,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,
@@ -178,6 +180,7 @@ def _bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             device=args.device,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             compile_decode=args.compile_decode,
             max_num_seqs=max(args.num_prompts, 1),
             **_expert_parallel(args),
@@ -234,6 +237,18 @@ def _add_dtype(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
+    from engine.kv.quant import KV_CACHE_DTYPES
+
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV cache's numbers: auto (the model's dtype), or one byte each "
+        "with float32 scales (fp8_e4m3, int8)",
+    )
+
+
 def _add_compile(parser: argparse.ArgumentParser, default: bool | None) -> None:
     said = {None: "on where the model and device allow it", False: "off"}[default]
     parser.add_argument(
@@ -280,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None)
     _add_dtype(gen)
+    _add_kv_cache_dtype(gen)
     _add_compile(gen, default=False)
     gen.add_argument("--max-model-len", type=int, default=None)
     _add_speculative(gen)
@@ -318,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", default=None)
     _add_dtype(serve)
+    _add_kv_cache_dtype(serve)
     _add_compile(serve, default=None)  # a server runs long enough to repay it
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
@@ -406,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per side")
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default=None, help="both sides' dtype; default: the engine's")
+    _add_kv_cache_dtype(bench)
     _add_compile(bench, default=False)
     bench.add_argument(
         "--kv-baseline",

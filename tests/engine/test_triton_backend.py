@@ -102,3 +102,35 @@ def test_triton_decode_past_one_split_matches_transformers(qwen3) -> None:
     proc = run(LONG_SCRIPT, str(qwen3[0]), interpret=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "identical past 256"
+
+
+# A quantized cache: the Triton kernels read the codes and scales the torch path
+# reads, so greedy tokens agree through chunked prefill, prefix hits and decode.
+QUANT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from engine import LLM, SamplingParams
+    from tests.engine.conftest import random_prompts
+
+    path = sys.argv[1]
+    prefix = random_prompts(1, seed=81, low=40, high=41)[0]
+    prompts = [prefix + p for p in random_prompts(2, seed=82, low=2, high=20)]
+    prompts += random_prompts(2, seed=83)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for fmt in ("fp8_e4m3", "int8"):
+        outputs = {}
+        for backend in ("torch", "triton"):
+            llm = LLM(path, dtype="float32", attention_backend=backend, kv_cache_dtype=fmt,
+                      max_num_batched_tokens=48, max_num_seqs=4)
+            outputs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.stats.partial_prefills > 0 and llm.stats.prefix_cache_hit_tokens > 0
+        assert outputs["torch"] == outputs["triton"], (fmt, outputs)
+    print("identical", len(prompts))
+    """
+)
+
+
+def test_triton_backend_on_a_quantized_cache_matches_torch_backend(qwen3) -> None:
+    proc = run(QUANT_SCRIPT, str(qwen3[0]), interpret=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "identical 4"

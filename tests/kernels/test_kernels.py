@@ -257,6 +257,42 @@ def test_decode_attention_empty_context_gives_zeros(seed: int) -> None:
     check(out[1:], ref, TOLERANCE[torch.float32], seed)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_attention_over_a_quantized_cache(fmt: str, kind: str, seed: int, poison: None) -> None:
+    """Both kernels read int8 or FP8 codes (FP8 decoded by arithmetic, not a cast)
+    and scale them row by row: the result is float64 attention over the numbers
+    the codes stand for."""
+    from engine.kv.kv_cache import FullAttentionSpec
+    from engine.kv.kv_cache import store_kvcache as store_torch
+    from engine.kv.quant import FORMATS, dequantize
+
+    num_kv_heads, heads, head_dim, block_size = 2, 4, 64, 16
+    lens = [1, KV_SPLIT_SIZE + random.randint(1, 50), random.randint(2, 120)]
+    k, v, tables = make_paged_cache(lens, block_size, num_kv_heads, head_dim, torch.float32)
+    spec = FullAttentionSpec(num_kv_heads, head_dim, torch.float32).quantized(FORMATS[fmt])
+    cache = spec.allocate(k.shape[0], block_size, torch.device("cpu"))
+    flat = (-1, num_kv_heads, head_dim)
+    slots = torch.arange(k.shape[0] * block_size)
+    store_torch(k.reshape(flat).nan_to_num(0.0), v.reshape(flat).nan_to_num(0.0), cache, slots)
+    k64 = dequantize(cache.k, cache.k_scale[..., None], torch.float64)
+    v64 = dequantize(cache.v, cache.v_scale[..., None], torch.float64)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    quant = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    if kind == "decode":
+        q = torch.randn(len(lens), heads, head_dim)
+        out = paged_decode_attention(q, cache.k, cache.v, tables, ctx, scale, **quant)
+        ref = reference.paged_decode_attention(q.double(), k64, v64, tables, ctx, scale)
+    else:
+        query_lens = [1, random.randint(2, 40), lens[2]]  # a decode, a chunk, a whole prompt
+        cu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).int()
+        q = torch.randn(sum(query_lens), heads, head_dim)
+        out = paged_prefill_attention(q, cache.k, cache.v, tables, cu, ctx, scale, **quant)
+        ref = reference.paged_attention(q.double(), k64, v64, tables, cu, ctx, scale)
+    check(out, ref, TOLERANCE[torch.float32], seed, f"{fmt} {kind} context_lens={lens}")
+
+
 # ---------------------------------------------------------------------------- MLA decode
 
 
