@@ -73,6 +73,21 @@ class AttentionBackend(Protocol[M]):
         """q and k rotated by their positions; see layers/rotary_embedding.py."""
         ...
 
+    def sparse_mla_decode(
+        self,
+        q: torch.Tensor,
+        cache: LatentKV,
+        rank: int,
+        chosen: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """MLA's absorbed decode over chosen rows alone (DeepSeek-V3.2's DSA): q
+        [decodes, heads, rank + rope]; chosen [decodes, k] the positions each decode
+        attends to, valid ones first, then -1; block_tables [decodes, max_blocks].
+        Reads only the chosen rows; returns [decodes, heads, rank]."""
+        ...
+
 
 def get_backend(
     name: str, device: str, block_size: int, batch_invariant: bool = False

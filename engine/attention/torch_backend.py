@@ -25,6 +25,7 @@ from engine.kv.kv_cache import (
     store_kvcache,
     store_latent,
 )
+from engine.kv.sparse_cache import gather_selected
 from engine.layers.layernorm import rms_norm
 from engine.layers.rotary_embedding import rotary_embedding
 from engine.utils import cdiv
@@ -238,3 +239,16 @@ class TorchBackend(TorchLatents):
             )
             out[start : start + n] = o[0].transpose(0, 1)
         return out
+
+    def sparse_mla_decode(
+        self, q, cache: LatentKV, rank: int, chosen, block_tables, scale
+    ) -> torch.Tensor:
+        """Absorbed MLA decode over the chosen rows (DSA): the rows at ``chosen`` are
+        gathered through the block tables, [decodes, k, rank + rope], and serve as
+        one KV head, masked where no position was chosen."""
+        rows = gather_selected(cache, block_tables, chosen)[:, None]  # [decodes, 1, k, width]
+        valid = (chosen >= 0)[:, None, None, :]
+        o = F.scaled_dot_product_attention(
+            q[:, None], rows, rows[..., :rank], attn_mask=valid, scale=scale
+        )
+        return o[:, 0]

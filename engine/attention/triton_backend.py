@@ -122,3 +122,7 @@ class TritonBackend(TorchLatents):  # MLA's store and gather, in torch
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache):
         return self.kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+
+    def sparse_mla_decode(self, q, cache: LatentKV, rank: int, chosen, block_tables, scale):
+        """Absorbed MLA decode over the chosen rows alone: engine/kernels/sparse_mla_decode.py."""
+        return self.kernels.sparse_mla_decode(q, cache.rows, block_tables, chosen, rank, scale)

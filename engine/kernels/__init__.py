@@ -28,6 +28,7 @@ else:
     from engine.kernels.prefill_attention import paged_prefill_attention
     from engine.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from engine.kernels.rotary import rotary_embedding
+    from engine.kernels.sparse_mla_decode import sparse_mla_decode
     from engine.kernels.store_kvcache import store_kvcache
 
 __all__ = [
@@ -40,5 +41,6 @@ __all__ = [
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",
+    "sparse_mla_decode",
     "store_kvcache",
 ]

@@ -16,6 +16,11 @@ Two ways to attend over it, equal up to rounding:
   W_UV[h] sum_t p_t c_t). Attention then reads only the latents, as one KV
   head shared by all query heads, with keys [c, k_rope] and values c. A decode
   step has one query per sequence, and this reads the fewest bytes.
+
+Sparse (DeepSeek-V3.2's DSA): an indexer (engine/layers/indexer.py) has chosen,
+for each query, the cached positions it attends to. A prompt chunk masks every
+other position of its gathered latents; a decode reads the chosen rows alone,
+through the block table (the backends' sparse_mla_decode).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 from engine.attention.context import get_forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.kv.kv_cache import LatentKV, MLACacheSpec
+from engine.kv.sparse_cache import IndexedLatentKV, IndexedLatentSpec
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -39,6 +45,23 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
 def absorb_output(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """[tokens, heads, rank] with W_UV [heads, v_dim, rank] -> [tokens, heads, v_dim]."""
     return torch.einsum("thc,hvc->thv", o_latent, w_uv)
+
+
+def chunk_mask(
+    n: int, context: int, chosen: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Which of its context's positions each query of a prompt chunk (the last n of
+    ``context`` tokens) attends to: [n, context], or None for plain causal over a
+    whole prompt. ``chosen`` [n, k], the indexer's positions (-1: none), keeps those
+    alone; they are causal already."""
+    if chosen is None:
+        if n == context:
+            return None
+        q_pos = torch.arange(context - n, context, device=device)
+        return torch.arange(context, device=device) <= q_pos[:, None]
+    mask = torch.zeros(n, context + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, torch.where(chosen >= 0, chosen, context), True)  # -1: a spare column
+    return mask[:, :context]
 
 
 class MLAAttention(nn.Module):
@@ -87,10 +110,12 @@ class MLAAttention(nn.Module):
         latent: torch.Tensor,
         k_rope: torch.Tensor,
         kv_b: torch.Tensor,
+        chosen: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q_nope [tokens, heads, nope], q_rope [tokens, heads, rope], latent
-        [tokens, rank], k_rope [tokens, rope], kv_b kv_b_proj's weight.
-        Returns [tokens, heads, v]."""
+        [tokens, rank], k_rope [tokens, rope], kv_b kv_b_proj's weight; for sparse
+        attention, ``chosen`` [tokens, k]: the positions each query attends to, -1
+        past the last (engine/layers/indexer.py). Returns [tokens, heads, v]."""
         ctx = get_forward_context()
         meta = ctx.meta
         ctx.backend.store_latent(latent, k_rope, self.kv_cache, meta.slot_mapping)
@@ -99,15 +124,25 @@ class MLAAttention(nn.Module):
         if d:  # absorbed: attention reads the latents alone, on the backend's kernel
             w_uk, w_uv = self.split_kv_b(kv_b)
             q = torch.cat([absorb_query(q_nope[:d], w_uk), q_rope[:d]], dim=-1)
-            o_latent = ctx.backend.mla_decode(
-                q, self.kv_cache, self.kv_lora_rank, ctx.attn_metadata, self.scale
+            out[:d] = absorb_output(
+                self._decode(q, meta, None if chosen is None else chosen[:d]), w_uv
             )
-            out[:d] = absorb_output(o_latent, w_uv)
         if d < len(q_nope):  # expanded: per-head keys and values, in torch on every backend
             q = torch.cat([q_nope, q_rope], dim=-1)
             rows = torch.cat([self.kv_cache.as_stored(latent), k_rope], dim=-1)
-            self._prefill(q, rows, kv_b, meta, out)
+            self._prefill(q, rows, kv_b, meta, out, chosen)
         return out
+
+    def _decode(
+        self, q: torch.Tensor, meta: AttentionMetadata, chosen: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The decodes' absorbed attention [decodes, heads, rank], over every cached
+        row, or over the ``chosen`` rows alone."""
+        ctx, rank = get_forward_context(), self.kv_lora_rank
+        if chosen is None:
+            return ctx.backend.mla_decode(q, self.kv_cache, rank, ctx.attn_metadata, self.scale)
+        tables = meta.block_tables[: len(q)]
+        return ctx.backend.sparse_mla_decode(q, self.kv_cache, rank, chosen, tables, self.scale)
 
     def _prefill(
         self,
@@ -116,20 +151,22 @@ class MLAAttention(nn.Module):
         kv_b: torch.Tensor,
         meta: AttentionMetadata,
         out: torch.Tensor,
+        chosen: torch.Tensor | None = None,
     ) -> None:
         """Causal attention for each prompt chunk, over its whole context: the new
         rows alone for a whole prompt, else the rows the cache holds (the prefix
-        and, stored already, the chunk itself), read through the backend."""
+        and, stored already, the chunk itself), read through the backend. With
+        ``chosen``, each query sees its chosen positions alone (chunk_mask)."""
         backend = get_forward_context().backend
         starts = list(accumulate(meta.query_lens_cpu, initial=0))  # on the host: no GPU wait
         for i in range(meta.num_decodes, len(meta.query_lens_cpu)):
             start, n, context = starts[i], meta.query_lens_cpu[i], meta.context_lens_cpu[i]
             if n == context:
-                seen, mask = rows[start : start + n], None
+                seen = rows[start : start + n]
             else:
                 seen = backend.gather_latents(self.kv_cache, meta.block_tables[i], context)
-                q_pos = torch.arange(context - n, context, device=q.device)
-                mask = torch.arange(context, device=q.device) <= q_pos[:, None]
+            picks = None if chosen is None else chosen[start : start + n]
+            mask = chunk_mask(n, context, picks, q.device)
             k, v = self.expand(*seen.split([self.kv_lora_rank, self.rope_dim], dim=-1), kv_b)
             o = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1),
@@ -140,3 +177,28 @@ class MLAAttention(nn.Module):
                 scale=self.scale,
             )
             out[start : start + n] = o.transpose(0, 1)
+
+
+class SparseMLAAttention(MLAAttention):
+    """MLA for DeepSeek-V3.2's sparse attention: the same attention, given each
+    query's chosen positions, over a cache that holds the indexer's keys too."""
+
+    kv_cache: IndexedLatentKV | None  # KVCachePool binds this layer's blocks
+
+    def __init__(
+        self,
+        num_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        index_head_dim: int,
+    ) -> None:
+        super().__init__(
+            num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
+        )
+        self.index_head_dim = index_head_dim
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> IndexedLatentSpec:
+        return IndexedLatentSpec(super().kv_cache_spec(dtype), self.index_head_dim)

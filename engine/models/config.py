@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
 )
 
 
@@ -48,6 +49,16 @@ class MoEConfig:
 
 
 @dataclass
+class DSAConfig:
+    """DeepSeek-V3.2's sparse attention (DSA): a lightning indexer scores every cached
+    token for each query, and MLA attends only to the index_topk best."""
+
+    index_topk: int  # tokens each query keeps
+    index_n_heads: int  # the indexer's query heads; its key is one head, cached
+    index_head_dim: int  # its first qk_rope_head_dim numbers carry the (neox-style) RoPE
+
+
+@dataclass
 class ModelConfig:
     """The parts of a Hugging Face config.json that the forward pass needs."""
 
@@ -70,6 +81,7 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek-V3 only, as are the two below
     moe: MoEConfig | None = None
     num_mtp_layers: int = 0  # multi-token prediction modules stored after the layers
+    dsa: DSAConfig | None = None  # DeepSeek-V3.2 only
 
     @classmethod
     def from_pretrained(cls, path: Path) -> ModelConfig:
@@ -86,7 +98,8 @@ class ModelConfig:
             raise ValueError("sliding-window attention is not supported")
         heads = raw["num_attention_heads"]
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
-        deepseek = arch == "DeepseekV3ForCausalLM"
+        deepseek = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+        dsa = _dsa(raw, arch)
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -104,9 +117,10 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=_eos_ids(path, raw),
-            mla=_mla(raw) if deepseek else None,
+            mla=_mla(raw, dsa is not None) if deepseek else None,
             moe=_moe(raw) if deepseek else None,
-            num_mtp_layers=_mtp_layers(path, raw) if deepseek else 0,
+            num_mtp_layers=_mtp_layers(path, raw) if deepseek and dsa is None else 0,
+            dsa=dsa,
         )
 
 
@@ -129,15 +143,53 @@ def _deepseek(raw: dict, name: str):
     return raw.get(name, DEEPSEEK_DEFAULTS[name])
 
 
-def _mla(raw: dict) -> MLAConfig:
+def _mla(raw: dict, sparse: bool) -> MLAConfig:
+    """V3.2 (``sparse``) has no rope_interleave field: its MLA is always interleaved."""
     return MLAConfig(
         q_lora_rank=_deepseek(raw, "q_lora_rank"),
         kv_lora_rank=raw["kv_lora_rank"],
         qk_nope_head_dim=raw["qk_nope_head_dim"],
         qk_rope_head_dim=raw["qk_rope_head_dim"],
         v_head_dim=raw["v_head_dim"],
-        rope_interleave=_deepseek(raw, "rope_interleave"),
+        rope_interleave=True if sparse else _deepseek(raw, "rope_interleave"),
     )
+
+
+# What transformers' DeepseekV32Config reads for a DSA field config.json leaves out.
+DSA_DEFAULTS = {"index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}
+
+
+def _dsa(raw: dict, arch: str) -> DSAConfig | None:
+    """The indexer's settings, for V3.2 alone: on any other architecture a DSA field
+    would be ignored and the model run dense, so it is an error instead. V3.2's MTP
+    module is not served (transformers ignores its tensors too)."""
+    if arch != "DeepseekV32ForCausalLM":
+        named = sorted(set(DSA_DEFAULTS) & set(raw))
+        if named:
+            raise ValueError(
+                f"{named[0]} is set in config.json, but {arch} has no lightning indexer; "
+                "DeepSeek sparse attention needs a DeepseekV32ForCausalLM checkpoint"
+            )
+        return None
+    dsa = DSAConfig(*(int(raw.get(name, default)) for name, default in DSA_DEFAULTS.items()))
+    if _deepseek(raw, "q_lora_rank") is None:
+        raise ValueError("q_lora_rank is null: DeepseekV32ForCausalLM's indexer reads q_a_proj")
+    for name in DSA_DEFAULTS:
+        if getattr(dsa, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(dsa, name)}")
+    if dsa.index_head_dim < raw["qk_rope_head_dim"]:
+        raise ValueError(
+            f"index_head_dim {dsa.index_head_dim} is smaller than qk_rope_head_dim "
+            f"{raw['qk_rope_head_dim']}, the part of it that RoPE rotates"
+        )
+    dense = min(_deepseek(raw, "first_k_dense_replace"), raw["num_hidden_layers"])
+    pattern = ["dense"] * dense + ["sparse"] * (raw["num_hidden_layers"] - dense)
+    if raw.get("mlp_layer_types", pattern) != pattern:
+        raise ValueError(
+            f"mlp_layer_types {raw['mlp_layer_types']} is not first_k_dense_replace={dense} "
+            "dense layers then MoE layers, the only pattern the engine builds"
+        )
+    return dsa
 
 
 # DeepSeek config fields the engine implements one value of: a checkpoint that

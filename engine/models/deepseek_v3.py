@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -74,6 +75,17 @@ class DeepseekV3Attention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.attend(positions, x, q)
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        chosen: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """MLA from the queries q [tokens, heads * (nope + rope)] on; ``chosen``, the
+        positions each query attends to (DeepSeek-V3.2), or None for all."""
         q_nope, q_rope = q.view(len(x), self.num_heads, -1).split(
             [self.nope_dim, self.rope_dim], dim=-1
         )
@@ -82,14 +94,16 @@ class DeepseekV3Attention(nn.Module):
         )
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope[:, None])
-        o = self.attn(q_nope, q_rope, latent, k_rope[:, 0], self.kv_b_proj.weight)
+        o = self.attn(q_nope, q_rope, latent, k_rope[:, 0], self.kv_b_proj.weight, chosen)
         return self.o_proj(o.flatten(1))
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
+    attention_class: ClassVar[type[DeepseekV3Attention]] = DeepseekV3Attention
+
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, index: int) -> None:
         super().__init__()
-        self.self_attn = DeepseekV3Attention(cfg, rotary_emb)
+        self.self_attn = self.attention_class(cfg, rotary_emb)
         moe = cfg.moe
         if index >= moe.first_k_dense_replace:
             gate = GroupedTopKRouter(
@@ -146,6 +160,8 @@ class DeepseekV3MTP(DeepseekV3DecoderLayer):
 
 
 class DeepseekV3Model(nn.Module):
+    layer_class: ClassVar[type[DeepseekV3DecoderLayer]] = DeepseekV3DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -157,7 +173,7 @@ class DeepseekV3Model(nn.Module):
             interleaved=cfg.mla.rope_interleave,
         )
         n = cfg.num_hidden_layers
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, rope, i) for i in range(n))
+        self.layers = nn.ModuleList(self.layer_class(cfg, rope, i) for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mtp = nn.ModuleList(DeepseekV3MTP(cfg, rope, n + k) for k in range(cfg.num_mtp_layers))
 
@@ -173,11 +189,12 @@ class DeepseekV3ForCausalLM(CausalLM):
     # The MoE layers size each expert's matmul from the routing, on the host: a
     # decode step cannot be captured in a CUDA graph.
     supports_cuda_graphs = False
+    model_class: ClassVar[type[DeepseekV3Model]] = DeepseekV3Model
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DeepseekV3Model(cfg)
+        self.model = self.model_class(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.models.base import CausalLM
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 # Qwen2 is Llama with biases on q, k and v; Qwen3 adds a norm on q and k. The
@@ -14,6 +15,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
