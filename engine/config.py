@@ -64,6 +64,10 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode/): a SpeculativeConfig, or its
     # vLLM-shaped dict or JSON text; None: none.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # A sliding window with attention sinks, (sinks, window): a request keeps the
+    # blocks that hold its first `sinks` tokens and its last `window` computed ones,
+    # and gives back those between while it runs (Scheduler._slide). None: all.
+    kv_window: tuple[int, int] | None = None
     hf_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +98,7 @@ class EngineConfig:
         self._check_speculative()
         self._check_batch_invariant()
         self._check_kv_cache_dtype()
+        self._check_kv_window()
 
     def _check_kv_cache_dtype(self) -> None:
         """What a quantized KV cache cannot run on yet."""
@@ -170,6 +175,27 @@ class EngineConfig:
                 "proposed from the request's newest token, which one-step-ahead scheduling "
                 "has not seen yet, and the step after a verify depends on how many "
                 "drafts it accepted"
+            )
+
+    def _check_kv_window(self) -> None:
+        """A window of at least one block, sinks of none or more, and no MTP drafts."""
+        if self.kv_window is None:
+            return
+        pair = tuple(self.kv_window)
+        if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in pair):
+            raise ValueError(f"kv_window must be a pair of integers (sinks, window), got {pair!r}")
+        sinks, window = self.kv_window = pair
+        if sinks < 0 or window < self.block_size:
+            raise ValueError(
+                f"kv_window (sinks={sinks}, window={window}) needs sinks >= 0 and a window of "
+                f"at least one block (block_size {self.block_size})"
+            )
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp":
+            raise ValueError(
+                "kv_window does not support speculative_config method 'mtp' yet: the MTP "
+                "module reads the block tables with the window's holes in them "
+                "(engine/spec_decode/mtp.py)"
             )
 
     def _default_backend(self) -> str:

@@ -39,8 +39,11 @@ class Sequence:
         self.token_ids = list(token_ids)  # prompt, then every generated token
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0  # tokens whose K and V are in the cache
-        self.block_table: list[int] = []  # logical block i -> physical block id
+        self.block_table: list[int] = []  # logical block i -> physical block id, or HOLE
         self.block_hashes: list[bytes] = []  # hash chain of the full, computed blocks
+        # With a kv_window: the tokens computed before it first gave a block back,
+        # whose keys saw the whole context; only their blocks may be published.
+        self.num_unwindowed_tokens: int | None = None  # None: nothing given back yet
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0

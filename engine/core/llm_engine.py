@@ -65,6 +65,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             proposer=make_proposer(config, cache.num_blocks, self.max_model_len),
             verify_schedule=make_verify_schedule(config, self.executor.measure_step_times),
+            kv_window=config.kv_window,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(

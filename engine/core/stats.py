@@ -63,6 +63,9 @@ class EngineStats:
     # Async scheduling: tokens computed for requests that had already finished,
     # because they were scheduled before the step that finished them returned.
     discarded_tokens: int = 0
+    # With a kv_window: blocks given back while their requests ran, because they
+    # held neither a sink nor a token of the window (Scheduler._slide).
+    window_freed_blocks: int = 0
     forward_seconds: float = 0.0  # time in the model's forward pass and logits
     step_seconds: float = 0.0  # time inside LLMEngine.step, forward included
     # [MoE layer, expert] tokens routed, recomputes included (MTP modules' layers last);

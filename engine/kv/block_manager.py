@@ -3,6 +3,10 @@ counts, and a prefix cache that lets requests share blocks they both computed.
 
 The cache tensors themselves live in the model runner. This module only decides
 which physical block holds which logical block of which sequence.
+
+With a sliding window (EngineConfig.kv_window), a running sequence also gives
+back blocks from the middle of its table (free_outside_window), which leaves a
+HOLE there; the blocks around it stay where they were.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.kv.hashing import chain_hash, chain_root
+from engine.sched.scheduler_output import HOLE
 from engine.sequence import Sequence
 from engine.utils import cdiv
 
@@ -110,10 +115,12 @@ class BlockManager:
         only when no other sequence holds it; a cached block keeps its contents
         there, so a later request with the same prefix can still hit it."""
         for block_id in reversed(seq.block_table):  # tail first: prefixes are reused
-            self._release(block_id)
+            if block_id != HOLE:  # a window's hole was given back already
+                self._release(block_id)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+        seq.num_unwindowed_tokens = None
 
     def _release(self, block_id: int) -> None:
         """One holder fewer. With none left the block is free: at the back of the
@@ -138,13 +145,19 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Publish every block that is now full of computed tokens: the first
-        ``num_computed`` of them, or all that ``seq`` counts as computed."""
+        ``num_computed`` of them, or all that ``seq`` counts as computed. Under a
+        window, only those computed before it first gave a block back, and none
+        from a hole on: the chain stops there."""
         if not self.enable_prefix_caching:
             return
         if num_computed is None:
             num_computed = seq.num_computed_tokens
+        if seq.num_unwindowed_tokens is not None:
+            num_computed = min(num_computed, seq.num_unwindowed_tokens)
         full = num_computed // self.block_size
         for i in range(len(seq.block_hashes), full):
+            if seq.block_table[i] == HOLE:
+                break  # given back before it was published: it never will be
             chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = seq.block_hashes[-1] if seq.block_hashes else self.root
             h = chain_hash(parent, chunk)
@@ -153,3 +166,26 @@ class BlockManager:
             if h not in self.cached_blocks:  # first writer wins; twins stay private
                 self.cached_blocks[h] = block.block_id
                 block.hash, block.token_ids = h, chunk
+
+    def free_outside_window(self, seq: Sequence, sinks: int, window: int) -> int:
+        """A sliding window with attention sinks: give back every block of ``seq``
+        that lies wholly after its first ``sinks`` tokens and wholly before the
+        last ``window`` of its computed ones; returns how many. Each leaves a HOLE,
+        so that position p still maps to entry p // block_size. The blocks given
+        back form one run after the sinks' blocks, which only grows: walk it back
+        from its new end to the first hole. The first time, the tokens computed so
+        far are the last whose blocks the prefix cache may get (cache_full_blocks):
+        those computed from now on attend to a windowed context."""
+        bs, table = self.block_size, seq.block_table
+        first = cdiv(sinks, bs)  # the blocks that hold a sink
+        end = min((seq.num_computed_tokens - window) // bs, len(table))
+        dropped = 0
+        for i in range(end - 1, first - 1, -1):
+            if table[i] == HOLE:
+                break  # the run given back before
+            self._release(table[i])
+            table[i] = HOLE
+            dropped += 1
+        if dropped and seq.num_unwindowed_tokens is None:
+            seq.num_unwindowed_tokens = seq.num_computed_tokens
+        return dropped

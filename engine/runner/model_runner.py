@@ -41,7 +41,7 @@ from engine.runner.compiled_decode import CompiledDecode, can_compile
 from engine.runner.cuda_graph import CUDAGraphRunner
 from engine.runner.fast_path import DecodeFastPath
 from engine.sampling_params import SamplingParams
-from engine.sched.scheduler_output import GrammarOutput, ScheduledRequest, SchedulerOutput
+from engine.sched.scheduler_output import HOLE, GrammarOutput, ScheduledRequest, SchedulerOutput
 from engine.spec_decode.mtp import MTPProposer, mtp_target
 from engine.spec_decode.rejection_sampler import SampledDrafts, verify_sampled
 from engine.utils import cdiv, to_device
@@ -245,6 +245,12 @@ class ModelRunner:
         For every new token: its id, its position in its own sequence, and the
         cache slot where its key and value will be written. For every sequence:
         its block table, its context length, and where its queries start.
+
+        Under a kv_window, attention gets the blocks the sequence still holds, in
+        order, and the tokens they hold as its context (kept_blocks), while the
+        new tokens keep their real positions, for their slots and for RoPE. Every
+        block given back lies before every query, so causal masking over the kept
+        tokens still holds: a query attends to every kept token up to itself.
         """
         # --8<-- [start:flatten_batch]
         bs = self.block_size
@@ -253,7 +259,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_lens, context_lens, logits_indices, req_ids = [], [], [], []
+        query_lens, context_lens, logits_indices, req_ids, tables = [], [], [], [], []
         for item in items:
             start = item.num_computed_tokens
             end = start + item.num_new_tokens
@@ -261,12 +267,14 @@ class ModelRunner:
             positions += range(start, end)
             slots += [item.block_table[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(item.num_new_tokens)
-            context_lens.append(end)
+            table, context = kept_blocks(item.block_table, end, bs)  # end, without a window
+            tables.append(table)
+            context_lens.append(context)
             if item.samples:  # the last token's hidden state, and each draft's, give a token
                 logits_indices += range(len(input_ids) - 1 - item.num_drafts, len(input_ids))
                 req_ids.append(item.req_id)
-        width = max(len(item.block_table) for item in items)
-        tables = [it.block_table + [-1] * (width - len(it.block_table)) for it in items]
+        width = max(len(table) for table in tables)
+        tables = [table + [-1] * (width - len(table)) for table in tables]
         # --8<-- [end:flatten_batch]
         self.kv_cache.touch(max(slots) // bs + 1)  # new blocks are zeroed before use
         cu_seqlens = [0]
@@ -476,6 +484,16 @@ class ModelRunner:
                 vocab = self.config.hf_config.vocab_size
                 state.prompt_mask = prompt_mask(new.prompt_token_ids, vocab, self.device)
             self.requests[new.req_id] = state
+
+
+def kept_blocks(block_table: list[int], end: int, block_size: int) -> tuple[list[int], int]:
+    """What attention reads of a sequence whose cache will hold ``end`` tokens:
+    its blocks without a kv_window's holes, and how many tokens they hold (each
+    hole was a whole block, before every new token)."""
+    if HOLE not in block_table:
+        return block_table, end
+    kept = [b for b in block_table if b != HOLE]
+    return kept, end - (len(block_table) - len(kept)) * block_size
 
 
 def grammar_rows(req_ids: list[str], first_row: dict[str, int]) -> list[int]:

@@ -15,6 +15,9 @@ the last of them (update_from_output).
 A connector (kv/connector.py) may hold some of a request's blocks outside the
 engine: the scheduler counts them as computed once they are loaded, and keeps a
 finished request's blocks while the connector saves them.
+
+With a sliding window (EngineConfig.kv_window), each time a request is scheduled
+it first gives back the blocks its window no longer covers (_slide).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Scheduler:
         proposer: DraftProposer | None = None,
         connector: KVConnector | None = None,
         verify_schedule: ConfidenceSchedule | None = None,
+        kv_window: tuple[int, int] | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,6 +69,7 @@ class Scheduler:
         self.proposer: DraftProposer | None = proposer  # None: no drafts (Chapter 5's)
         self.verify_schedule = verify_schedule  # None: verify every draft (a fixed k)
         self.connector: KVConnector = connector or NoConnector()
+        self.kv_window = kv_window  # (sinks, window); None: a request keeps every block
         self.requests: dict[str, Sequence] = {}  # every unfinished one, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order, oldest first
@@ -185,6 +190,7 @@ class Scheduler:
         if not bm.can_admit(hits, num_cached + num_external + n):
             return None
         bm.take_cached(seq, hits)
+        self._slide(seq)  # hits its window no longer covers go back at once
         bm.allocate(seq, num_cached + num_external + n)  # cannot fail: can_admit checked it
         self._load(seq, num_external, load_async)
         self.stats.prefix_cache_hit_tokens += num_cached
@@ -307,7 +313,9 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Find blocks for ``n`` more tokens of ``seq``, preempting the newest
-        running sequences until they fit. False if ``seq`` itself had to go."""
+        running sequences until they fit. False if ``seq`` itself had to go.
+        Blocks its window no longer covers go back first (_slide)."""
+        self._slide(seq)
         while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
             victim = self.running[-1]  # the newest arrival
             self._preempt(victim)
@@ -315,6 +323,21 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def _slide(self, seq: Sequence) -> None:
+        """With a kv_window of (sinks, window), give back the blocks of ``seq`` that
+        hold none of its first ``sinks`` tokens and none of the last ``window`` it
+        has computed (BlockManager.free_outside_window). This step's queries then
+        attend to every token of the blocks it still holds, and to the step's own
+        tokens: the sinks and the window, each rounded out to whole blocks, and for
+        a prompt chunk the whole chunk. Which keys a query sees thus depends on how
+        its tokens were scheduled: a chunked or recomputed prompt sees more than
+        one-token decodes do."""
+        if self.kv_window is not None:
+            sinks, window = self.kv_window
+            self.stats.window_freed_blocks += self.block_manager.free_outside_window(
+                seq, sinks, window
+            )
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the sequence's cache and queue it again at

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 # Only async scheduling writes it (async_scheduler.py); the model runner finds the
 # token on the device (future_tokens.py).
 PLACEHOLDER = -1
+# A block table's entry for a block a sliding window gave back (EngineConfig.kv_window):
+# position p still maps to entry p // block_size, and the model runner leaves the
+# hole out of what attention reads (ModelRunner.build_model_input).
+HOLE = -1
 
 
 @dataclass
@@ -39,7 +43,7 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the new tokens, whose keys and values this step computes
     num_computed_tokens: int  # tokens already in the cache: token_ids[0] sits at this position
-    block_table: list[int]  # logical -> physical; the scheduler's own list (async: a copy)
+    block_table: list[int]  # logical -> physical, or HOLE; the scheduler's own list (async: a copy)
     samples: bool  # does this step reach the request's last token, so that it samples after it?
     # Proposed tokens, the tail of token_ids (only when samples): each is checked
     # against the token sampled at the position before it (sched/scheduler.py).

@@ -9,6 +9,8 @@
     deepinfer bench --serve --model PATH ...       the same workload, over HTTP and offline
     deepinfer bench --model PATH --speculative-config JSON
                                                    speculative decoding against none
+    deepinfer generate/serve/bench ... --kv-window SINKS,WINDOW
+                                                   a sliding window with attention sinks
     deepinfer edition check [PATH]                 does this checkout match the book?
 
 Each subcommand imports what it needs when it runs, so `edition check` works
@@ -47,6 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         compile_decode=args.compile_decode,
         speculative_config=args.speculative_config,
+        kv_window=args.kv_window,
         **_expert_parallel(args),
     )
     params = SamplingParams(
@@ -88,6 +91,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         compile_decode=compile_decode,
         batch_invariant=args.batch_invariant,
         speculative_config=args.speculative_config,
+        kv_window=args.kv_window,
     )
 
 
@@ -147,6 +151,9 @@ def _router(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     low, _, high = args.input_len.partition(":")
+    if args.serve and args.kv_window is not None:
+        print("deepinfer bench: --kv-window does not combine with --serve yet", file=sys.stderr)
+        return 2
     if args.serve:
         from engine.tools.serve_bench import run as run_served
 
@@ -183,6 +190,7 @@ def _bench(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             compile_decode=args.compile_decode,
             max_num_seqs=max(args.num_prompts, 1),
+            kv_window=args.kv_window,
             **_expert_parallel(args),
         )
     )
@@ -205,9 +213,34 @@ def _spec_bench(args: argparse.Namespace, input_len: int) -> int:
             device=args.device,
             dtype=args.dtype,
             compile_decode=args.compile_decode,
+            kv_window=args.kv_window,
         )
     )
     return 0
+
+
+def kv_window(text: str) -> tuple[int, int]:
+    """--kv-window SINKS,WINDOW as EngineConfig.kv_window takes it."""
+    sinks, sep, window = text.partition(",")
+    try:
+        if not sep:
+            raise ValueError
+        return int(sinks), int(window)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected SINKS,WINDOW (two integers), got {text!r}"
+        ) from None
+
+
+def _add_kv_window(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-window",
+        type=kv_window,
+        default=None,
+        metavar="SINKS,WINDOW",
+        help="keep each request's first SINKS and last WINDOW tokens' cache blocks, and "
+        "free the blocks between while it runs (default: keep every block)",
+    )
 
 
 def _add_speculative(parser: argparse.ArgumentParser) -> None:
@@ -299,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(gen, default=False)
     gen.add_argument("--max-model-len", type=int, default=None)
     _add_speculative(gen)
+    _add_kv_window(gen)
     _add_expert_parallel(gen)
     gen.set_defaults(func=_generate)
 
@@ -349,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--seed", type=int, default=0)
     _add_speculative(serve)
+    _add_kv_window(serve)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
@@ -434,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_expert_parallel(bench)
     _add_speculative(bench)
+    _add_kv_window(bench)
     bench.add_argument(
         "--spec-batches",
         default="1,32",

@@ -415,3 +415,13 @@ def test_bad_dsa_settings_are_named(dsa, tmp_path, changes, message) -> None:
 def test_a_quantized_cache_on_sparse_attention_is_refused_by_name(dsa) -> None:
     with pytest.raises(ValueError, match="sparse attention"):
         LLM(str(dsa[0]), dtype="float32", kv_cache_dtype="fp8_e4m3", num_kv_blocks=16)
+
+
+def test_a_kv_window_combines_with_sparse_attention(dsa, reference) -> None:
+    """A window wider than every context changes nothing; one that bites frees
+    blocks while the indexer chooses among the tokens still held."""
+    wide, _ = generate(dsa[0], block_size=4, kv_window=(4, 512))
+    assert wide == reference
+    tokens, llm = generate(dsa[0], block_size=4, kv_window=(4, 16))
+    assert llm.stats.window_freed_blocks > 0
+    assert all(len(t) == MAX_TOKENS for t in tokens)

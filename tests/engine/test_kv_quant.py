@@ -234,3 +234,12 @@ def test_a_quantized_engine_gives_the_same_tokens_alone_chunked_preempted_and_ca
     stats = crowded.llm_engine.stats
     assert [o.token_ids for o in outs] == alone, f"{name}; seed={SEED}"
     assert stats.preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+
+
+def test_a_wide_kv_window_on_a_quantized_cache_changes_nothing() -> None:
+    prompts = [list(range(30, 90)), list(range(200, 230))]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    common = dict(dtype="float32", kv_cache_dtype="int8", block_size=8)
+    plain = LLM(TINY, **common).generate(prompts, params, use_tqdm=False)
+    wide = LLM(TINY, **common, kv_window=(8, 512)).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in wide] == [o.token_ids for o in plain]
