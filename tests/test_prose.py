@@ -54,6 +54,10 @@ ALLOWED_NUMBERS: dict[tuple[str, str], str] = {
             "reports 18 unique samples among 1,000 completions",
         )
     },
+    (
+        "ch06-approximate-state.md",
+        "64 heads with weights that",
+    ): "DeepSeek-V3.2-Exp's index_n_heads, from its config, cited in Experiment 22's box",
 }
 
 NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(%?)(?![\w])")
@@ -272,6 +276,14 @@ OUTSIDE_NAMES = {
     "tie_word_embeddings",
     "n_group",
     "topk_group",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "compress_rates",
+    "sliding_window",
+    # names in DeepSeek's and transformers' code that the book cites
+    "float8_e4m3",
+    "DeepseekV4ForCausalLM",
     # the serving section: the openai client's argument, and the server's environment variable
     "base_url",
     "DEEPINFER_API_KEY",
