@@ -60,6 +60,18 @@ def test_every_chapter_page_is_built(site) -> None:
     assert "includes/glossary/" not in built, "the glossary is a snippet, not a page"
 
 
+def test_no_macro_is_left_unrendered(site) -> None:
+    """A result() call broken over two lines is not a macro to the renderer, and
+    reaches the reader as its source text."""
+    left = [
+        f"/{url}: {text.strip()[:80]}"
+        for url, page in pages(site.path).items()
+        for text, element in page.texts()
+        if "{{" in text and not in_not_prose(element)
+    ]
+    assert not left, left
+
+
 def test_nav_titles_match_page_titles(site) -> None:
     """The sidebar names each page exactly as the page's own heading does."""
     wrong = []
