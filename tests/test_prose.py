@@ -58,6 +58,7 @@ ALLOWED_NUMBERS: dict[tuple[str, str], str] = {
         "ch06-approximate-state.md",
         "64 heads with weights that",
     ): "DeepSeek-V3.2-Exp's index_n_heads, from its config, cited in Experiment 22's box",
+    (CH01, "stores the same values in 656 bytes"): "FlashMLA's README figure, cited there",
 }
 
 NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(%?)(?![\w])")
@@ -283,6 +284,8 @@ OUTSIDE_NAMES = {
     "sliding_window",
     # names in DeepSeek's and transformers' code that the book cites
     "float8_e4m3",
+    "float8_e4m3fn",
+    "k_scale_cache",
     "DeepseekV4ForCausalLM",
     # the serving section: the openai client's argument, and the server's environment variable
     "base_url",
