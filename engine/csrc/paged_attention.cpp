@@ -167,8 +167,10 @@ void attend_one(const T* q, const K* k_cache, const K* v_cache, const float* k_s
       max[g] = new_max;
       f32x8 a[N ? N : kMaxChunks];  // this head's sum, in registers while values stream by
       for (int64_t c = 0; c < C; ++c) a[c] = acc[g * C + c] * keep;
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t c = 0; c < C; ++c) a[c] += (s[t] * vs[t]) * load8(v + t * row_stride + c * kLanes);
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = s[t] * vs[t];  // its probability, times the value row's scale
+        for (int64_t c = 0; c < C; ++c) a[c] += w * load8(v + t * row_stride + c * kLanes);
+      }
       for (int64_t c = 0; c < C; ++c) acc[g * C + c] = a[c];
     }
   }
