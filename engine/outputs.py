@@ -32,6 +32,10 @@ class TokenRow:
 
     token_ids: list[int]
     logprobs: list[Logprobs | None]  # per token; None where no request asked
+    # Only in the step where a request that asked for prompt logprobs samples its
+    # first token: one entry per prompt token after the first (the prompt's token
+    # first, then the top ones), else None.
+    prompt_logprobs: list[Logprobs] | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -52,6 +56,10 @@ class ModelRunnerOutput:
     # Drafts a proposer in the model runner made after each request's newest token
     # (spec_decode/mtp.py): [requests, k] int64, still on the device; None: no such proposer.
     draft_token_ids: torch.Tensor | None = None
+    # Per request that asked for prompt logprobs and samples its first token this
+    # step: a row per prompt token after the first, the prompt's token in column 0
+    # (engine/runner/prompt_logprobs.py). None when no request's are due.
+    prompt_logprobs: dict[str, LogprobsTensors] | None = None
 
     def logprobs_lists(self) -> list[Logprobs | None]:
         """Each position's logprobs as host lists: (token ids, logprobs), or None."""
@@ -71,9 +79,14 @@ class ModelRunnerOutput:
         logprobs = self.logprobs_lists()
         counts = self.num_positions or [1] * len(self.req_ids)
         accepted = [0] * len(counts) if self.num_accepted is None else self.num_accepted.tolist()
+        prompt = {
+            req_id: list(zip(t.token_ids.tolist(), t.logprobs.tolist()))
+            for req_id, t in (self.prompt_logprobs or {}).items()
+        }
         rows, start = [], 0
-        for n, a in zip(counts, accepted):
-            rows.append(TokenRow(tokens[start : start + a + 1], logprobs[start : start + a + 1]))
+        for req_id, n, a in zip(self.req_ids, counts, accepted):
+            end = start + a + 1
+            rows.append(TokenRow(tokens[start:end], logprobs[start:end], prompt.get(req_id)))
             start += n
         return rows
 
@@ -128,6 +141,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None  # set by the core: EOS, stop tokens, lengths, abort
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     events: list[EngineCoreEvent] = field(default_factory=list)  # since its last output
+    # With its first token, if the request asked: per prompt token after the
+    # first, token ids and their logprobs, the prompt's token first.
+    prompt_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 @dataclass
@@ -146,6 +162,9 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
+    # With prompt_logprobs: per prompt token, {token id: logprob} for the prompt's
+    # token and the top ones, given the tokens before it; None for the first (vLLM's).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     times: RequestTimes | None = None  # arrival, first token, finish
     events: list[EngineCoreEvent] = field(default_factory=list)  # queued, scheduled, preempted

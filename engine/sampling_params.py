@@ -66,6 +66,10 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # how many top logprobs to return per generated token
+    # How many top logprobs to return per prompt token after the first (vLLM's
+    # prompt_logprobs): the model's own, given the prompt before it. Such a
+    # request takes no prefix-cache hit, whose tokens' logits were never computed.
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output follows
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -91,6 +95,8 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         self._check_adjustments()
 
     def _check_adjustments(self) -> None:

@@ -37,6 +37,7 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None  # None without a tokenizer: ids only
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once they arrive
     num_cached_tokens: int = 0
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.perf_counter()))
     events: list[EngineCoreEvent] = field(default_factory=list)  # what the scheduler did
@@ -100,10 +101,12 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         state.events += out.events
         n = state.params.logprobs
-        for ids, values in out.new_logprobs or []:
-            entry = dict(zip(ids[1 : 1 + n], values[1 : 1 + n]))  # the top n...
-            entry[ids[0]] = values[0]  # ...and the chosen token
-            state.logprobs.append(entry)
+        state.logprobs += [logprob_entry(ids, values, n) for ids, values in out.new_logprobs or []]
+        if out.prompt_logprobs is not None:  # the first token's output brings them, once
+            k = state.params.prompt_logprobs
+            state.prompt_logprobs = [None] + [
+                logprob_entry(ids, values, k) for ids, values in out.prompt_logprobs
+            ]
         reason = out.finish_reason
         detok = state.detokenizer
         stop_token = reason == FinishReason.STOP  # EOS, a stop token, a finished grammar
@@ -126,7 +129,16 @@ class OutputProcessor:
             finished=finished,
             finish_reason=reason,
             logprobs=list(state.logprobs) if state.params.logprobs is not None else None,
+            prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
             times=replace(state.times),
             events=list(state.events),
         )
+
+
+def logprob_entry(ids: list[int], values: list[float], n: int) -> dict[int, float]:
+    """One position's {token id: logprob}: the top ``n``, and the token at the
+    position (column 0), which may be one of them."""
+    entry = dict(zip(ids[1 : 1 + n], values[1 : 1 + n]))  # the top n...
+    entry[ids[0]] = values[0]  # ...and the chosen token
+    return entry

@@ -100,12 +100,14 @@ class CompletionRequest(SamplingFields):
     )
     suffix: None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=1, description="not supported beyond 1")
+    # vLLM's extension: each prompt token's logprob and the top n, in each choice.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _echo_without_logprobs(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
             raise ValueError(
-                "echo with logprobs is not supported: the engine has no prompt logprobs"
+                "echo with logprobs is not supported; prompt_logprobs gives the prompt's"
             )
         return self
 
@@ -162,11 +164,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    """One token of vLLM's prompt_logprobs (its Logprob, without the rank)."""
+
+    logprob: float
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    # Per prompt token, keyed by token id; None for the first (vLLM's, not streamed).
+    # Left out unless the request asked, so that OpenAI's choice keeps its shape.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, exclude_if=lambda v: v is None
+    )
 
 
 class CompletionResponse(BaseModel):

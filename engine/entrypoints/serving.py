@@ -31,6 +31,7 @@ from engine.entrypoints.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
     PromptTokensDetails,
     SamplingFields,
     TokenLogprob,
@@ -160,6 +161,7 @@ def sampling_params(
             min_tokens=req.min_tokens,
             logit_bias=logit_bias(req),
             include_stop_str_in_output=req.include_stop_str_in_output,
+            prompt_logprobs=req.prompt_logprobs if isinstance(req, CompletionRequest) else None,
         )
     except ValueError as err:
         raise bad_request(str(err), field_named(str(err))) from err
@@ -329,6 +331,20 @@ class OpenAIServing:
             offset += len(text)
         return lp
 
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's shape: per prompt token, {token id: its logprob and text}."""
+        if out.prompt_logprobs is None:
+            return None
+        shown: list[dict[str, PromptLogprob] | None] = [None]  # the first token has none
+        for entry in out.prompt_logprobs[1:]:
+            shown.append(
+                {
+                    str(t): PromptLogprob(logprob=v, decoded_token=self._token(t))
+                    for t, v in entry.items()
+                }
+            )
+        return shown
+
     def chat_logprobs(self, out: RequestOutput, start: int, n: int) -> ChoiceLogprobs:
         """Each token's text and its own bytes, which for part of a character are
         not the bytes of its text ("\ufffd")."""
@@ -406,6 +422,7 @@ class OpenAIServing:
                     text=job.echoed(choice) + out.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(out),
+                    prompt_logprobs=self.prompt_logprobs(out),
                 )
             )
         return CompletionResponse(id=job.id, model=req.model, choices=choices, usage=job.usage())

@@ -36,10 +36,16 @@ from engine.layers.sampler import (
 )
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.loader import load_model
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import LogprobsTensors, ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode, can_compile
 from engine.runner.cuda_graph import CUDAGraphRunner
 from engine.runner.fast_path import DecodeFastPath
+from engine.runner.prompt_logprobs import (
+    PromptLogprobs,
+    PromptRows,
+    fill_prompt_logprobs,
+    prompt_rows,
+)
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler_output import HOLE, GrammarOutput, ScheduledRequest, SchedulerOutput
 from engine.spec_decode.mtp import MTPProposer, mtp_target
@@ -64,6 +70,9 @@ class ModelInput:
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     # The step's requests in the batch's order (decodes first): an MTP drafter's rows.
     items: list[ScheduledRequest] = field(default_factory=list)
+    # Positions whose logits score prompt tokens (prompt_logprobs), in logits_indices
+    # after the sampled rows; None when no request asks this step.
+    prompt: PromptRows | None = None
 
     def num_positions(self) -> list[int]:
         """Per request that samples, its rows of logits: its last token's, and each draft's."""
@@ -108,6 +117,7 @@ class CachedRequestState:
     seed: int
     num_prompt_tokens: int  # a sampled token's output position is its position less these
     prompt_mask: torch.Tensor | None = None  # its prompt's tokens, for a repetition penalty
+    prompt_logprobs: PromptLogprobs | None = None  # its list, while it fills
 
 
 class ModelRunner:
@@ -131,6 +141,9 @@ class ModelRunner:
             pack_linears(self.model)  # a CPU's matmuls, from weights laid out for them
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        # The requests whose prompt logprobs are not yet sent: while there are none,
+        # a step computes logits for its sampled rows alone.
+        self.pending_prompt_logprobs: dict[str, PromptLogprobs] = {}
         self.sampled_hidden_states: torch.Tensor | None = None  # of the last step (forward)
         self.step_hidden_states: torch.Tensor | None = None  # every position's, for a drafter
         self.rank_experts.bind(self.model, self.stats, self.device)
@@ -276,6 +289,9 @@ class ModelRunner:
         width = max(len(table) for table in tables)
         tables = [table + [-1] * (width - len(table)) for table in tables]
         # --8<-- [end:flatten_batch]
+        prompt = self._prompt_rows(items)
+        if prompt is not None:  # logits for them too, after the sampled rows
+            logits_indices += prompt.rows
         self.kv_cache.touch(max(slots) // bs + 1)  # new blocks are zeroed before use
         cu_seqlens = [0]
         for n in query_lens:
@@ -303,7 +319,18 @@ class ModelRunner:
             [item.output_token_ids for item in sampling],
             [item.draft_probs for item in sampling],
             items,
+            prompt,
         )
+
+    def _prompt_rows(self, items: list[ScheduledRequest]) -> PromptRows | None:
+        """The step's rows that score prompt tokens (prompt_logprobs.py); None at
+        once while no request waits for its list."""
+        if not self.pending_prompt_logprobs:
+            return None
+        prompt = prompt_rows(items, self.pending_prompt_logprobs)
+        for req_id in prompt.due if prompt is not None else ():
+            del self.pending_prompt_logprobs[req_id]  # sent with this step's token
+        return prompt
 
     def _first_output(self, item: ScheduledRequest) -> int:
         """The output position of the token sampled after the item's last real token."""
@@ -388,7 +415,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> torch.Tensor:
-        """One forward pass; logits only for the rows that will sample."""
+        """One forward pass; logits only for the rows that will sample, and for the
+        prompt rows of requests that asked for prompt_logprobs."""
         batch = step.batch
         start = time.perf_counter()
         if step.fast:  # decodes alone: CUDA graphs or the compiled decode (fast_path.py)
@@ -413,7 +441,10 @@ class ModelRunner:
         Only rank 0 samples; another rank's forward pass serves its experts. Then
         an MTP drafter drafts after each request's newest token, on every rank."""
         logits = self.forward(step)
+        logits, prompt = self._split_prompt_logits(step.batch, logits)
         output = self._sample(step, logits) if self.rank == 0 else None
+        if output is not None and prompt is not None:
+            output.prompt_logprobs = prompt
         if self.drafter is not None:
             tokens, accepted = self._from_rank0(step, output)
             batch, hidden = step.batch, self.step_hidden_states
@@ -421,6 +452,18 @@ class ModelRunner:
             if output is not None:
                 output.draft_token_ids = drafts
         return output
+
+    def _split_prompt_logits(
+        self, batch: ModelInput, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, LogprobsTensors] | None]:
+        """The sampled rows' logits, and (rank 0) the prompt logprobs due this step;
+        the logits unchanged when no request asked."""
+        if batch.prompt is None:
+            return logits, None
+        n = logits.shape[0] - len(batch.prompt.rows)
+        self.sampled_hidden_states = self.sampled_hidden_states[:n]
+        due = fill_prompt_logprobs(batch.prompt, logits[n:]) if self.rank == 0 else None
+        return logits[:n], due
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor) -> ModelRunnerOutput:
         """Rank 0's share: a token for every sampled row, and the drafts each accepts."""
@@ -476,13 +519,18 @@ class ModelRunner:
         """Forget the requests that ended; keep what new ones need for sampling."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)  # an abort may come before its first step
+            self.pending_prompt_logprobs.pop(req_id, None)
         if self.drafter is not None:
             self.drafter.forget(scheduler_output.finished_req_ids)
         for new in scheduler_output.new_requests:
             state = CachedRequestState(new.sampling_params, new.seed, new.num_prompt_tokens)
+            vocab = self.config.hf_config.vocab_size
             if new.sampling_params.repetition_penalty != 1.0:
-                vocab = self.config.hf_config.vocab_size
                 state.prompt_mask = prompt_mask(new.prompt_token_ids, vocab, self.device)
+            if (k := new.sampling_params.prompt_logprobs) is not None:
+                ids = new.prompt_token_ids
+                state.prompt_logprobs = PromptLogprobs.empty(ids, min(k, vocab), self.device)
+                self.pending_prompt_logprobs[new.req_id] = state.prompt_logprobs
             self.requests[new.req_id] = state
 
 

@@ -183,7 +183,7 @@ class Scheduler:
         if it cannot start, or if those blocks load in the background: then it
         holds its blocks in WAITING_FOR_KV, scheduled for nothing (_load)."""
         bm = self.block_manager
-        hits = bm.match_prefix(seq.token_ids)
+        hits = self._prefix_hits(seq)
         num_cached = len(hits) * bm.block_size
         num_external, load_async = self._num_external_tokens(seq, num_cached)
         n = 0 if load_async else min(seq.num_tokens - num_cached - num_external, budget)
@@ -206,6 +206,13 @@ class Scheduler:
         self._start_running(seq, num_cached + num_external)
         return self._scheduled(seq, n)
 
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq`` may start from: none if it asks for prompt
+        logprobs, since a cached token's logits were never kept (vLLM's rule)."""
+        if seq.params.prompt_logprobs is not None:
+            return []
+        return self.block_manager.match_prefix(seq.token_ids)
+
     def _start_running(self, seq: Sequence, num_cached: int) -> None:
         """Into ``running``, in arrival order: a sequence that comes back returns
         to its old place, ahead of everything that arrived after it."""
@@ -215,7 +222,10 @@ class Scheduler:
 
     def _num_external_tokens(self, seq: Sequence, num_cached: int) -> tuple[int, bool]:
         """The connector's tokens for ``seq`` past its ``num_cached`` cached ones,
-        checked: whole blocks, short of the last token, which the model must run."""
+        checked: whole blocks, short of the last token, which the model must run.
+        Nothing for a request that asks for prompt logprobs: the model runs them all."""
+        if seq.params.prompt_logprobs is not None:
+            return 0, False
         num_external, load_async = self.connector.num_external_tokens(seq, num_cached)
         end = num_cached + num_external
         if (
@@ -384,6 +394,7 @@ class Scheduler:
                     reason,
                     seq.num_cached_prompt_tokens,
                     seq.events,
+                    row.prompt_logprobs,
                 )
             )
             seq.events = []  # handed on

@@ -32,7 +32,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int  # the request's own random stream (see layers/sampler.py)
     num_prompt_tokens: int  # so that the runner knows each sampled token's output position
-    prompt_token_ids: list[int] = field(default_factory=list)  # for a repetition penalty
+    # For a repetition penalty, and for prompt logprobs (the tokens they score).
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -11,6 +11,7 @@
                                                    speculative decoding against none
     deepinfer generate/serve/bench ... --kv-window SINKS,WINDOW
                                                    a sliding window with attention sinks
+    deepinfer bench --kv-quality [--model PATH]    each KV cache's perplexity, agreement, bytes
     deepinfer edition check [PATH]                 does this checkout match the book?
 
 Each subcommand imports what it needs when it runs, so `edition check` works
@@ -150,6 +151,14 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.kv_quality:  # the shipped tiny models (or --model) and a random V3.2
+        from engine.tools.kv_quality import run as run_quality
+
+        print(run_quality([Path(args.model)] if args.model else None))
+        return 0
+    if args.model is None:
+        print("deepinfer bench: --model is required", file=sys.stderr)
+        return 2
     low, _, high = args.input_len.partition(":")
     if args.serve and args.kv_window is not None:
         print("deepinfer bench: --kv-window does not combine with --serve yet", file=sys.stderr)
@@ -432,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(func=_router)
 
     bench = sub.add_parser("bench", help="output tokens/s, TTFT and inter-token latency")
-    bench.add_argument("--model", required=True)
+    bench.add_argument("--model", default=None, help="required, except with --kv-quality")
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument(
         "--input-len", default="64:256", help="A (every prompt A tokens) or A:B (uniform in A..B)"
@@ -475,6 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="1,32",
         help="with --speculative-config: the batch sizes to compare at, A,B,... "
         "(prompts of the --input-len upper bound, from the book and random)",
+    )
+    bench.add_argument(
+        "--kv-quality",
+        action="store_true",
+        help="held-out perplexity, greedy agreement and KV bytes per token for each "
+        "cache (exact, fp8_e4m3, int8, a window; DSA on a random V3.2), float32",
     )
     bench.set_defaults(func=_bench)
 
