@@ -152,6 +152,7 @@ def show_pools(results: dict) -> None:
     print()
     print(f"the engine's pool: LLM(..., num_kv_blocks={POOL_BLOCKS})")
     print(f"  pool.block_bytes() / block_size, {POOL_DTYPE}")
+    print("  bytes: a token's, all layers; /layer: one layer's")
     print()
     print(f"{'model':<19} {'kv_cache_dtype':<14} {'bytes':>6} {'/layer':>7}")
     roots: list[tuple[str, bytes]] = []

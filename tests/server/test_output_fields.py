@@ -33,11 +33,15 @@ def test_response_format_json_schema_constrains_the_reply(client) -> None:
 
 def test_vllms_structured_outputs_and_guided_fields_constrain_the_reply(client) -> None:
     choices = ["paged", "contiguous"]
+    # Room for the longest choice spelled one byte a token (sampling may spell it so), and
+    # seeded, so that the reply does not depend on the run.
+    longest = max(map(len, choices)) + 1
     for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
         reply = client.completions.create(
-            model=MODEL, prompt="The KV cache is", max_tokens=8, extra_body=extra
+            model=MODEL, prompt="The KV cache is", max_tokens=longest, seed=0, extra_body=extra
         )
         assert reply.choices[0].text in choices
+        assert reply.choices[0].finish_reason == "stop"
     regex = {"guided_regex": "[0-9]{3}"}
     reply = client.completions.create(model=MODEL, prompt="n =", max_tokens=8, extra_body=regex)
     assert len(reply.choices[0].text) == 3 and reply.choices[0].text.isdigit()
