@@ -228,12 +228,17 @@ def test_a_quantized_engine_gives_the_same_tokens_alone_chunked_preempted_and_ca
     for p in prompts:
         llm = LLM(model, **common, enable_prefix_caching=False)
         alone += [o.token_ids for o in llm.generate([p], params, use_tqdm=False)]
-    # Chunks of 16 tokens, a cache too small for all five at once, the prefix cache on.
+    # Chunks of 16 tokens, and a cache too small for all five at once.
     crowded = LLM(model, **common, num_kv_blocks=14, max_num_batched_tokens=16)
     outs = crowded.generate(prompts, params, use_tqdm=False)
-    stats = crowded.llm_engine.stats
     assert [o.token_ids for o in outs] == alone, f"{name}; seed={SEED}"
-    assert stats.preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert crowded.llm_engine.stats.preemptions > 0
+    # The last prompt after the first, from the blocks the first left in the prefix cache.
+    cached = LLM(model, **common, max_num_batched_tokens=16)
+    first = cached.generate(prompts[:1], params, use_tqdm=False)[0].token_ids
+    last = cached.generate(prompts[-1:], params, use_tqdm=False)[0].token_ids
+    assert [first, last] == [alone[0], alone[-1]], f"{name}; seed={SEED}"
+    assert cached.llm_engine.stats.prefix_cache_hit_tokens > 0
 
 
 def test_a_wide_kv_window_on_a_quantized_cache_changes_nothing() -> None:
