@@ -35,7 +35,7 @@ export NO_MKDOCS_2_WARNING := 1
 PYODIDE_VERSION ?= 314.0.8
 PYODIDE := build/pyodide/.installed-$(PYODIDE_VERSION)
 
-.PHONY: serve build test snippets regen lint chromium epubcheck clean pdf epub mutate
+.PHONY: serve build test snippets regen lint chromium redis epubcheck clean pdf epub mutate
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -116,7 +116,19 @@ chromium:
 	  fi; \
 	fi
 
-test: $(VENV)/.all $(PYODIDE) chromium epubcheck
+# The KV store's tests start their own Redis from Debian's redis-server (Chapter 8);
+# install it when it is missing and we may (root), as on a fresh CI machine.
+redis:
+	@if ! command -v redis-server >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+	      || { echo "error: could not install redis-server with apt-get"; exit 1; }; \
+	  else \
+	    echo "note: redis-server is missing and cannot be installed here; the Redis tests will fail"; \
+	  fi; \
+	fi
+
+test: $(VENV)/.all $(PYODIDE) chromium redis epubcheck
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # mutmut's settings (the modules, the tests) are [tool.mutmut] in pyproject.toml.

@@ -1,4 +1,5 @@
-"""Shared test helpers: the repository root, the snippet runner, and the built site."""
+"""Shared test helpers: the repository root, the snippet runner, the built site,
+and a Redis server of the test's own."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.redis_server import redis_server  # noqa: F401  (a fixture for every test)
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
