@@ -68,6 +68,18 @@ class EngineConfig:
     # blocks that hold its first `sinks` tokens and its last `window` computed ones,
     # and gives back those between while it runs (Scheduler._slide). None: all.
     kv_window: tuple[int, int] | None = None
+    # A KV cache store shared by workers (engine/kv/store/, Chapter 8): a directory,
+    # or a redis:// URL. Full prompt blocks are saved there and loaded instead of
+    # recomputed, by this engine or another. None: no store.
+    kv_store: str | None = None
+    kv_store_max_bytes: int = 1 << 30  # a directory store's size bound (LRU beyond it)
+    # When a stored prefix is loaded rather than recomputed: "measured", when this
+    # engine's own timings say loading is cheaper; "always". A handed-on request
+    # always loads.
+    kv_store_load: str = "measured"
+    # A server's part in prefill/decode disaggregation: "prefill" runs prompts and
+    # hands them on through the store, "decode" continues them, "both" does all.
+    role: str = "both"
     hf_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +111,7 @@ class EngineConfig:
         self._check_batch_invariant()
         self._check_kv_cache_dtype()
         self._check_kv_window()
+        self._check_kv_store()
 
     def _check_kv_cache_dtype(self) -> None:
         """What a quantized KV cache cannot run on yet."""
@@ -176,6 +189,31 @@ class EngineConfig:
                 "has not seen yet, and the step after a verify depends on how many "
                 "drafts it accepted"
             )
+
+    def _check_kv_store(self) -> None:
+        """A known role; a store for a prefill or decode role; nothing a store cannot
+        hold (a window's holes, blocks spread over ranks)."""
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be 'prefill', 'decode' or 'both', got {self.role!r}")
+        if self.kv_store_load not in ("measured", "always"):
+            raise ValueError(
+                f"kv_store_load must be 'measured' or 'always', got {self.kv_store_load!r}"
+            )
+        if self.kv_store is None:
+            if self.role != "both":
+                raise ValueError(f"role {self.role!r} needs kv_store: the blocks go through it")
+            return
+        if self.kv_window is not None:
+            raise ValueError(
+                "kv_store does not combine with kv_window: a windowed request's blocks are "
+                "freed as it runs, and those computed after are never published"
+            )
+        if self.expert_parallel_size > 1:
+            raise ValueError("kv_store needs expert_parallel_size 1: one pool to copy blocks from")
+        if self.async_scheduling:
+            raise ValueError("kv_store needs async_scheduling=False: loads land between steps")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_store needs prefix caching: blocks are filed by its hash chains")
 
     def _check_kv_window(self) -> None:
         """A window of at least one block, sinks of none or more, and no MTP drafts."""

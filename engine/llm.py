@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine, Prompt
 from engine.core.stats import EngineStats
 from engine.distributed.balancer import RebalanceReport
+from engine.kv.handoff import Handoff
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -39,18 +40,18 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        handoffs: list[Handoff | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, list):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        """Generate for every prompt; outputs come back in the prompts' order.
+        ``handoffs``: for a prompt another engine began, what it handed on
+        (kv/handoff.py; needs a kv_store)."""
+        prompts, params, handoffs = per_prompt(prompts, sampling_params, handoffs)
         engine = self.llm_engine
         # Check every request before queueing any, so a bad one loses nothing.
-        seqs = [engine.make_sequence(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params)]
+        seqs = [
+            engine.make_sequence(str(next(self._ids)), p, sp, h)
+            for p, sp, h in zip(prompts, params, handoffs)
+        ]
         for seq, prompt in zip(seqs, prompts):
             engine.add_sequence(seq, prompt)
         finished: dict[str, RequestOutput] = {}
@@ -82,3 +83,23 @@ class LLM:
         engine = getattr(self, "llm_engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def per_prompt(
+    prompts: Prompt | list[Prompt],
+    sampling_params: SamplingParams | list[SamplingParams] | None,
+    handoffs: list[Handoff | None] | None,
+) -> tuple[list[Prompt], list[SamplingParams], list[Handoff | None]]:
+    """generate's arguments as one prompt, one SamplingParams and one handoff
+    (or None) per request; ValueError if the lists disagree in length."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    params = sampling_params or SamplingParams()
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
+    handoffs = handoffs or [None] * len(prompts)
+    if len(params) != len(prompts) or len(handoffs) != len(prompts):
+        raise ValueError(
+            f"{len(prompts)} prompts but {len(params)} sampling params, {len(handoffs)} handoffs"
+        )
+    return prompts, params, handoffs

@@ -12,6 +12,7 @@ from engine.outputs import EngineCoreEvent, FinishReason
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.kv.handoff import Handoff
     from engine.structured_output import StructuredOutputRequest
 
 
@@ -54,6 +55,8 @@ class Sequence:
         # for its next step: stale once that is no longer the sequence's newest token.
         self.runner_drafts: list[int] = []
         self.runner_drafts_at = 0
+        # Handed on by another engine (kv/handoff.py): its blocks load from the store.
+        self.handoff: Handoff | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad
 from engine.distributed.placement import ExpertPlacement
-from engine.kv.kv_cache import KVCacheConfig
+from engine.kv.kv_cache import KVBlocks, KVCacheConfig
 from engine.outputs import ModelRunnerOutput
 from engine.runner.async_model_runner import AsyncModelRunner, StepFuture
 from engine.runner.model_runner import ModelRunner
@@ -52,6 +52,14 @@ class Executor(ABC):
             configs[0].block_size,
             min(c.max_model_len for c in configs),
         )
+
+    def read_kv_blocks(self, block_ids: list[int]) -> KVBlocks:
+        """Blocks of rank 0's pool, to the host (one rank: see EngineConfig)."""
+        return self.collective_rpc("read_kv_blocks", block_ids)[0]
+
+    def write_kv_blocks(self, block_ids: list[int], data: KVBlocks) -> None:
+        """Blocks into every rank's pool, between steps."""
+        self.collective_rpc("write_kv_blocks", block_ids, data)
 
     def measure_step_times(self, sizes: list[int]) -> list[float]:
         """Forward-pass seconds for each token count in ``sizes`` (every rank runs

@@ -21,7 +21,9 @@ from engine.core.stats import EngineStats
 from engine.core.trace import StepTrace
 from engine.distributed.balancer import ExpertBalancer
 from engine.kv.block_manager import BlockManager
+from engine.kv.handoff import Handoff
 from engine.kv.hashing import chain_root
+from engine.kv.store_connector import StoreConnector, make_connector
 from engine.models.loader import load_tokenizer
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -66,6 +68,7 @@ class LLMEngine:
             proposer=make_proposer(config, cache.num_blocks, self.max_model_len),
             verify_schedule=make_verify_schedule(config, self.executor.measure_step_times),
             kv_window=config.kv_window,
+            connector=self._connector(config, cache.block_size, root),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(
@@ -94,13 +97,34 @@ class LLMEngine:
         gc.freeze()
         atexit.register(gc.unfreeze)
 
+    def _connector(
+        self, config: EngineConfig, block_size: int, root: bytes
+    ) -> StoreConnector | None:
+        """With a kv_store: the connector that loads blocks from it and saves them."""
+        self.connector = None
+        if config.kv_store is not None:
+            from engine.kv.store import open_store  # ValueError if it cannot be reached
+
+            store = open_store(config.kv_store, config.kv_store_max_bytes)
+            tokens = 4 * block_size
+            [seconds] = self.executor.measure_step_times([tokens])
+            stats, always = self.stats.kv_transfer, config.kv_store_load == "always"
+            self.connector = make_connector(
+                store, self.executor, block_size, root, stats, seconds, tokens, always
+            )
+        return self.connector
+
     @property
     def requests(self) -> dict[str, Sequence]:
         """The unfinished requests, as the scheduler tracks them."""
         return self.scheduler.requests
 
     def make_sequence(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        handoff: Handoff | None = None,
     ) -> Sequence:
         """Check a request and tokenize it, without touching the engine's state,
         so a bad request fails alone and nothing already queued is lost."""
@@ -132,7 +156,37 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, seed=seed)
         if params.structured_outputs is not None:  # ValueError if it does not compile
             seq.structured_output = self.structured_output.request_for(params.structured_outputs)
+        if handoff is not None:
+            self._take_handoff(seq, handoff)
         return seq
+
+    def _take_handoff(self, seq: Sequence, handoff: Handoff) -> None:
+        """Continue a request another engine began (kv/handoff.py): its tokens so
+        far, checked, and its blocks to load from the store."""
+        if self.connector is None:
+            raise ValueError("a handed-on request needs a kv_store to load its blocks from")
+        if seq.structured_output is not None or seq.params.prompt_logprobs is not None:
+            raise ValueError(
+                "a handed-on request cannot have structured outputs or prompt_logprobs"
+            )
+        bs, n = self.block_manager.block_size, len(handoff.block_hashes)
+        mine = self.connector.chain(seq, n)
+        if n > seq.num_prompt_tokens // bs or handoff.block_hashes != mine:
+            raise ValueError(
+                "the handed-on block hashes do not match this engine's: the sender serves "
+                "another model, KV format or block size, or another prompt"
+            )
+        outputs = handoff.output_token_ids
+        vocab = self.config.hf_config.vocab_size
+        if not outputs or any(not isinstance(t, int) or not 0 <= t < vocab for t in outputs):
+            raise ValueError(f"handed-on output token ids must be integers in [0, {vocab})")
+        if (
+            len(outputs) >= seq.params.max_tokens
+            or seq.num_tokens + len(outputs) >= self.max_model_len
+        ):
+            raise ValueError("the handed-on request has no room left to generate")
+        seq.token_ids += outputs
+        seq.handoff = handoff
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         """Every token a logit_bias names must be in the model's vocabulary."""
@@ -147,14 +201,20 @@ class LLMEngine:
         """Queue a checked request: its text side to the output processor, its
         tokens to the scheduler."""
         text = prompt if isinstance(prompt, str) else None
-        self.output_processor.add_request(seq.request_id, text, seq.prompt_token_ids, seq.params)
+        self.output_processor.add_request(
+            seq.request_id, text, seq.prompt_token_ids, seq.params, seq.handoff
+        )
         self.scheduler.add(seq)
         self._num_added += 1
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        handoff: Handoff | None = None,
     ) -> None:
-        self.add_sequence(self.make_sequence(request_id, prompt, params), prompt)
+        self.add_sequence(self.make_sequence(request_id, prompt, params, handoff), prompt)
 
     def has_unfinished_requests(self) -> bool:
         """Requests not yet finished, or a step still in flight (async scheduling)."""
@@ -186,9 +246,14 @@ class LLMEngine:
         loading some request's KV (the scheduler holds it, WAITING_FOR_KV), an
         error otherwise, since the step after would schedule nothing either."""
         if self.scheduler.loading:
+            if self.connector is not None:  # wait a little for one, not spin
+                self.connector.wait(timeout=0.01)
             return []
         raise RuntimeError("requests are waiting but none could be scheduled")
 
     def shutdown(self) -> None:
         """Stop the executor's workers, if it has any. Idempotent."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
         self.executor.shutdown()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from tokenizers import Tokenizer
 
 from engine.core.detokenizer import IncrementalDetokenizer
+from engine.kv.handoff import Handoff
 from engine.outputs import (
     EngineCoreEvent,
     EngineCoreOutput,
@@ -41,6 +42,7 @@ class RequestState:
     num_cached_tokens: int = 0
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.perf_counter()))
     events: list[EngineCoreEvent] = field(default_factory=list)  # what the scheduler did
+    unshown: list[int] = field(default_factory=list)  # handed-on tokens not yet shown as text
 
 
 @dataclass
@@ -60,6 +62,7 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        handoff: Handoff | None = None,
     ) -> None:
         detokenizer = (
             IncrementalDetokenizer(
@@ -72,9 +75,19 @@ class OutputProcessor:
             if self.tokenizer is not None
             else None
         )
-        self.states[request_id] = RequestState(
-            request_id, prompt, list(prompt_token_ids), params, detokenizer
-        )
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, detokenizer)
+        if handoff is not None:  # continue where the sender's client left off
+            state.token_ids = list(handoff.output_token_ids)
+            sent = handoff.num_sent_tokens
+            if detokenizer is not None:
+                detokenizer.update(handoff.output_token_ids[:sent], finished=False)
+            state.unshown = handoff.output_token_ids[sent:]
+        self.states[request_id] = state
+
+    def shown(self, request_id: str) -> int:
+        """Characters of a handed-on request's text its client has seen already."""
+        detok = self.states[request_id].detokenizer
+        return len(detok.visible_text(False)) if detok is not None else 0
 
     def abort_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -110,7 +123,8 @@ class OutputProcessor:
         reason = out.finish_reason
         detok = state.detokenizer
         stop_token = reason == FinishReason.STOP  # EOS, a stop token, a finished grammar
-        if detok is not None and detok.update(out.new_token_ids, reason is not None, stop_token):
+        new, state.unshown = state.unshown + out.new_token_ids, []
+        if detok is not None and detok.update(new, reason is not None, stop_token):
             reason = FinishReason.STOP  # a stop string: the text ends here; the core must stop
         if reason is not None:
             state.times.finished = now

@@ -51,6 +51,24 @@ def bump(histogram: list[int], n: int) -> None:
 
 
 @dataclass
+class KVTransferStats:
+    """The KV cache store's traffic, as the engine's connector sees it (Chapter 8)."""
+
+    loads: int = 0  # loads from the store begun (a preempted request loads again)
+    hit_tokens: int = 0  # prompt tokens loaded from the store instead of computed
+    handoff_tokens: int = 0  # of those, tokens a prefill worker handed on
+    skipped_tokens: int = 0  # found, but recomputing them was estimated cheaper
+    failed_blocks: int = 0  # listed, but missing, corrupt or wrong when fetched: recomputed
+    loaded_bytes: int = 0
+    saved_bytes: int = 0
+    saved_blocks: int = 0
+    load_seconds: float = 0.0  # fetching, checking and writing blocks into the pool
+    save_seconds: float = 0.0
+    # What computing the loaded tokens would have taken, from the measured prefill rate
+    recompute_seconds_estimate: float = 0.0
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     preemptions: int = 0
@@ -79,6 +97,7 @@ class EngineStats:
     ep_dispatch_bytes: list[int] | None = None
     ep_combine_bytes: list[int] | None = None
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    kv_transfer: KVTransferStats = field(default_factory=KVTransferStats)
 
     @property
     def forwards_per_output_token(self) -> float:

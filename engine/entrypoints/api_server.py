@@ -107,6 +107,15 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise OpenAIError(503, f"the engine is not running: {llm.core.dead}")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/kv/info")
+    async def kv_info() -> Response:
+        """What a PD router checks before it pairs workers (Chapter 8): their role,
+        and the store's key space, which only workers that can share blocks share."""
+        config = llm.core.engine.config
+        root = llm.kv_root.hex() if llm.kv_root is not None else None
+        info = {"role": config.role, "namespace": root, "block_size": llm.block_size}
+        return JSONResponse(info | {"kv_store": config.kv_store})
+
     @app.get("/metrics")
     async def metrics_text() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -20,6 +20,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.entrypoints.engine_core import CoreBatch, EngineCore
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.metrics import ServerMetrics
+from engine.kv.handoff import Handoff
 from engine.outputs import EngineCoreEventType, EngineCoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -52,6 +53,10 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_waiting: int) -> None:
         self.core = EngineCore(config)
         self.tokenizer = self.core.engine.tokenizer
+        engine = self.core.engine
+        # The store's key space (Chapter 8): the chain root, None without a store.
+        self.kv_root = engine.block_manager.root if engine.connector is not None else None
+        self.block_size = engine.block_manager.block_size
         self.max_model_len = self.core.engine.max_model_len
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = metrics
@@ -82,12 +87,14 @@ class AsyncLLM:
         self,
         requests: dict[str, tuple[list[int], SamplingParams]],
         repeats: Collection[str] = (),
+        handoff: Handoff | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue several requests (the choices of one HTTP request), all checked
         before any is queued, so that a refusal comes before any response starts;
         then iterate to get their outputs as they come. ``repeats``: requests
         whose prompt an earlier one of them has (choices 2..n of a prompt), so
-        that the prompt's tokens count once."""
+        that the prompt's tokens count once. ``handoff``: the one request is
+        continued from another engine (kv/handoff.py)."""
         if not self.healthy:
             raise OpenAIError(503, f"the engine is not running: {self.core.dead}")
         if self.draining:
@@ -100,14 +107,18 @@ class AsyncLLM:
                 headers={"Retry-After": "1"},
             )
         try:
-            seqs = [self.core.make_sequence(rid, ids, p) for rid, (ids, p) in requests.items()]
+            seqs = [
+                self.core.make_sequence(rid, ids, p, handoff) for rid, (ids, p) in requests.items()
+            ]
         except ValueError as err:
             param = "logit_bias" if "logit_bias" in str(err) else "prompt"
             raise OpenAIError(400, str(err), param=param) from err
         sink: asyncio.Queue = asyncio.Queue()
         now = time.perf_counter()
         for seq in seqs:
-            self.processor.add_request(seq.request_id, None, seq.prompt_token_ids, seq.params)
+            self.processor.add_request(
+                seq.request_id, None, seq.prompt_token_ids, seq.params, seq.handoff
+            )
             self.sinks[seq.request_id] = sink
             self.timing[seq.request_id] = Timing(now, counts_prompt=seq.request_id not in repeats)
         self.core.add(seqs)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.output_processor import ProcessedOutputs
-from engine.core.stats import SpecDecodeStats
+from engine.core.stats import KVTransferStats, SpecDecodeStats
 from engine.entrypoints.host_memory import HeapTrimmer, bound_onednn_caches
+from engine.kv.handoff import Handoff
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -63,6 +64,7 @@ class CoreStats:
     # passes per generated token since start.
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     forwards_per_output_token: float = 0.0
+    kv_transfer: KVTransferStats = field(default_factory=KVTransferStats)  # a copy
 
 
 @dataclass
@@ -88,10 +90,16 @@ class EngineCore:
         self.thread: threading.Thread | None = None
         self.dead: str | None = None  # why the core stopped, if it failed for good
 
-    def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams):
+    def make_sequence(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        handoff: Handoff | None = None,
+    ) -> Sequence:
         """Check a request (ValueError if bad) without touching the core's state;
         safe to call from the front end's thread."""
-        return self.engine.make_sequence(request_id, token_ids, params)
+        return self.engine.make_sequence(request_id, token_ids, params, handoff)
 
     def add(self, seqs: list[Sequence]) -> None:
         self.inbox.put(("add", seqs))
@@ -179,4 +187,5 @@ class EngineCore:
             num_preemptions=self.engine.stats.preemptions,
             spec_decode=copy.deepcopy(self.engine.stats.spec_decode),
             forwards_per_output_token=self.engine.stats.forwards_per_output_token,
+            kv_transfer=copy.copy(self.engine.stats.kv_transfer),
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from engine.entrypoints.engine_core import CoreStats
+from engine.entrypoints.kv_metrics import KVTransferMetrics
 from engine.entrypoints.spec_metrics import SpecDecodeMetrics
 
 disable_created_metrics()  # no *_created series: a scrape shows only what was measured
@@ -87,6 +88,7 @@ class ServerMetrics:
         self.failed = make(Counter, "request_failed", "Requests failed by the engine.")
         self.http = make(Counter, "http_requests", "HTTP requests answered.", ("handler", "status"))
         self.spec = SpecDecodeMetrics(make)
+        self.kv_store = KVTransferMetrics(make)
         self._labels = labels
         self._preemptions_seen = 0
         self._queried = self._hit = 0
@@ -117,3 +119,4 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
         self.spec.update(stats)
+        self.kv_store.update(stats.kv_transfer)

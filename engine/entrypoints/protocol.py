@@ -47,6 +47,20 @@ class StructuredOutputsFields(BaseModel):
     disable_any_whitespace: bool = False
 
 
+class KVTransferParams(BaseModel):
+    """What prefill/decode disaggregation passes between workers (vLLM's name;
+    Chapter 8). To a prefill worker: do_remote_decode, and it runs the prompt,
+    saves its blocks to the store and replies with these fields filled in. To a
+    decode worker: the tokens generated so far, how many of them the client has
+    seen, and the sender's block hashes (hex); it loads the blocks and goes on."""
+
+    do_remote_decode: bool = False
+    output_token_ids: list[int] | None = Field(None, min_length=1)
+    num_sent_tokens: int = Field(0, ge=0)
+    block_hashes: list[str] = Field(default_factory=list)
+    seed: int | None = None  # in a prefill worker's reply: the seed its choice drew with
+
+
 class SamplingFields(BaseModel):
     """What completions and chat share."""
 
@@ -80,6 +94,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
     include_stop_str_in_output: bool = False
+    kv_transfer_params: KVTransferParams | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -181,6 +196,8 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
         None, exclude_if=lambda v: v is None
     )
+    # With kv_transfer_params: the tokens this chunk's text came from (vLLM's name).
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -190,6 +207,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    # A prefill worker's reply: what the decode worker needs (KVTransferParams).
+    kv_transfer_params: KVTransferParams | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):

@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from engine.entrypoints.async_llm import AsyncLLM
 from engine.entrypoints.chat_template import ChatTemplate
 from engine.entrypoints.errors import OpenAIError, bad_request
+from engine.entrypoints.kv_transfer import check_transfer, handoff_of, prefill_reply
 from engine.entrypoints.prompt_tokens import PromptTokenizer
 from engine.entrypoints.protocol import (
     AssistantMessage,
@@ -31,6 +32,7 @@ from engine.entrypoints.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    KVTransferParams,
     PromptLogprob,
     PromptTokensDetails,
     SamplingFields,
@@ -64,6 +66,7 @@ class Job:
     requests: dict[str, tuple[list[int], SamplingParams]] = field(default_factory=dict)
     choices: dict[str, Choice] = field(default_factory=dict)
     echo: list[str] | None = None  # completions' echo: each prompt's text, before its choices'
+    transfer: KVTransferParams | None = None  # prefill/decode disaggregation (kv_transfer.py)
 
     def echoed(self, choice: Choice) -> str:
         """The prompt text a choice starts with: with echo, once, in its first chunk."""
@@ -262,7 +265,13 @@ class OpenAIServing:
         broken stream), and follow each output back to its choice."""
         n = len(job.choices) // len(job.prompts)  # choices per prompt
         repeats = [rid for rid, c in job.choices.items() if c.index % n]  # not a prompt's first
-        return self._follow(job, self.llm.generate(job.requests, repeats))
+        handoff = handoff_of(job.transfer) if job.transfer is not None else None
+        outputs = self.llm.generate(job.requests, repeats, handoff)
+        if handoff is not None:  # what its client has seen already is not sent again
+            [(rid, choice)] = job.choices.items()
+            choice.text_sent = self.llm.processor.shown(rid)
+            choice.tokens_sent = handoff.num_sent_tokens
+        return self._follow(job, outputs)
 
     @staticmethod
     async def _follow(job: Job, outputs: AsyncIterator[RequestOutput]):
@@ -376,7 +385,12 @@ class OpenAIServing:
             raise bad_request("prompt is empty", "prompt")
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         prompts = [await self.prompts.encode(p) for p in batch]
-        job = self.job("cmpl", request_id, prompts, req, req.max_tokens, req.logprobs)
+        transfer, max_tokens = req.kv_transfer_params, req.max_tokens
+        if transfer is not None:
+            check_transfer(req, len(prompts), self.llm.kv_root is not None)
+            max_tokens = 1 if transfer.do_remote_decode else max_tokens
+        job = self.job("cmpl", request_id, prompts, req, max_tokens, req.logprobs)
+        job.transfer = transfer
         outputs = self.start(job)
         if req.echo:  # once the engine took the prompts: their token ids are valid
             job.echo = [p if isinstance(p, str) else self._decode(p) for p in batch]
@@ -397,9 +411,14 @@ class OpenAIServing:
                     out, choice.tokens_sent, req.logprobs, choice.text_sent
                 )
             text = job.echoed(choice) + out.text[choice.text_sent :]
+            token_ids = out.token_ids[choice.tokens_sent :] if job.transfer is not None else None
             choice.text_sent, choice.tokens_sent = len(out.text), len(out.token_ids)
             item = CompletionChoice(
-                index=choice.index, text=text, logprobs=logprobs, finish_reason=finish_reason(out)
+                index=choice.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=finish_reason(out),
+                token_ids=token_ids,
             )
             yield CompletionResponse(id=job.id, model=req.model, choices=[item])
         if usage:
@@ -425,7 +444,13 @@ class OpenAIServing:
                     prompt_logprobs=self.prompt_logprobs(out),
                 )
             )
-        return CompletionResponse(id=job.id, model=req.model, choices=choices, usage=job.usage())
+        reply = None
+        if job.transfer is not None and job.transfer.do_remote_decode:
+            [(_, params)], [choice] = job.requests.values(), job.choices.values()
+            reply = prefill_reply(choice.last, params.seed, self.llm.kv_root, self.llm.block_size)
+        return CompletionResponse(
+            id=job.id, model=req.model, choices=choices, usage=job.usage(), kv_transfer_params=reply
+        )
 
     # ------------------------------------------------------------ chat
 

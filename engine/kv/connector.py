@@ -10,6 +10,8 @@ things, at three moments of a request's life:
   the connector's worker side can fill them;
 - when the request finishes: must its blocks stay held until they are saved?
 
+and, at the start of every step, which background loads have finished.
+
 A load in the background keeps its request in WAITING_FOR_KV, scheduled for
 nothing, until ``Scheduler.kv_loaded`` reports it done; a save keeps the
 finished request's blocks until ``Scheduler.finish_saving`` does.
@@ -40,6 +42,12 @@ class KVConnector(Protocol):
         called when there are some): the worker side loads the tokens into them."""
         ...
 
+    def finished_loads(self) -> dict[str, int]:
+        """Background loads done since the last call, their blocks filled: the
+        tokens each loaded, by request id (fewer than offered if a block failed
+        its check). The scheduler asks at the start of every step."""
+        ...
+
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
         """``seq`` has finished, holding ``block_ids``. True: keep them until the
         connector has saved them (``Scheduler.finish_saving``); False: free them."""
@@ -57,6 +65,9 @@ class NoConnector:
         self, seq: Sequence, block_ids: list[int], num_external_tokens: int
     ) -> None:
         pass
+
+    def finished_loads(self) -> dict[str, int]:
+        return {}
 
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
         return False

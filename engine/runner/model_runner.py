@@ -21,7 +21,7 @@ from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad, broadcast_from_rank0
 from engine.distributed.placement import ExpertPlacement
 from engine.distributed.rank_experts import RankExperts
-from engine.kv.kv_cache import KVCacheConfig, KVCachePool
+from engine.kv.kv_cache import KVBlocks, KVCacheConfig, KVCachePool
 from engine.layers.batch_invariant import use_fixed_row_tiles
 from engine.layers.linear import can_pack, pack_linears
 from engine.layers.penalties import prompt_mask
@@ -220,6 +220,14 @@ class ModelRunner:
 
     def kv_cache_config(self) -> KVCacheConfig:
         return self.kv_cache.kv_cache_config()
+
+    def read_kv_blocks(self, block_ids: list[int]) -> KVBlocks:
+        """Blocks of the pool, to the host (a KV store saves them; Chapter 8)."""
+        return self.kv_cache.read_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: KVBlocks) -> None:
+        """Blocks loaded from a KV store, into the pool, between steps."""
+        self.kv_cache.write_blocks(block_ids, data)
 
     @torch.inference_mode()
     def measure_step_times(self, sizes: list[int]) -> list[float]:

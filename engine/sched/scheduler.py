@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from bisect import insort
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from itertools import count
 
 from engine.attention.metadata import decode_query_len
@@ -99,8 +99,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
-        self.finished_req_ids = []
+        self.kv_loaded(self.connector.finished_loads())  # their blocks are filled: run them
+        out, self.finished_req_ids = SchedulerOutput(finished_req_ids=self.finished_req_ids), []
         budget = self.max_num_batched_tokens
         proposed = self._propose(budget)
         # Running sequences first, oldest first: a decode token (and its drafts),
@@ -256,15 +256,19 @@ class Scheduler:
         else:
             seq.num_computed_tokens += num_external
 
-    def kv_loaded(self, req_ids: Collection[str]) -> None:
+    def kv_loaded(self, req_ids: Collection[str] | Mapping[str, int]) -> None:
         """The connector's loads for these requests are done. Each counts its
         loaded tokens as computed, offers its full prompt blocks to the prefix
         cache, and runs from the next step on, as a request whose prefix was cached
-        would. One that finished while loading frees its blocks now (_release)."""
+        would. One that finished while loading frees its blocks now (_release).
+        A mapping gives the tokens each loaded, when fewer than offered (a block
+        that failed its check): the rest are computed."""
         for req_id in req_ids:
             if req_id not in self.loading:
                 continue  # not loading, or reported twice
             seq, num_loaded = self.loading.pop(req_id)
+            if isinstance(req_ids, Mapping):
+                num_loaded = min(num_loaded, seq.num_computed_tokens + req_ids[req_id])
             if seq.is_finished:
                 self._release(seq)
                 continue

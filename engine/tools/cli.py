@@ -93,6 +93,10 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         batch_invariant=args.batch_invariant,
         speculative_config=args.speculative_config,
         kv_window=args.kv_window,
+        kv_store=args.kv_store,
+        kv_store_max_bytes=args.kv_store_max_mib << 20,
+        kv_store_load=args.kv_store_load,
+        role=args.role,
     )
 
 
@@ -129,6 +133,10 @@ def _add_read_timeouts(parser: argparse.ArgumentParser) -> None:
 
 
 def _router(args: argparse.Namespace) -> int:
+    if args.prefill or args.decode:
+        return _pd_router(args)
+    if not args.worker:
+        raise SystemExit("deepinfer router: give --worker URLs, or --prefill and --decode URLs")
     from engine.entrypoints.router import RouterConfig, run_router
 
     config = RouterConfig(
@@ -147,6 +155,27 @@ def _router(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
     )
     run_router(config, args.host, args.port, args.log_level)
+    return 0
+
+
+def _pd_router(args: argparse.Namespace) -> int:
+    """Prefill/decode disaggregation: --prefill and --decode workers (Chapter 8)."""
+    if not (args.prefill and args.decode) or args.worker:
+        raise SystemExit("deepinfer router: --prefill and --decode go together, without --worker")
+    from engine.entrypoints.pd_router import PDRouterConfig, run_pd_router
+
+    config = PDRouterConfig(
+        prefill=args.prefill,
+        decode=args.decode,
+        model=args.model,
+        block_size=args.block_size,
+        prefix_blocks=args.prefix_blocks,
+        load_factor=args.load_factor,
+        health_interval=args.health_interval,
+        connect_timeout=args.connect_timeout,
+        idle_timeout=args.idle_timeout,
+    )
+    run_pd_router(config, args.host, args.port, args.log_level)
     return 0
 
 
@@ -391,13 +420,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request's greedy tokens do not depend on the rest of the batch (slower)",
     )
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--kv-store",
+        default=None,
+        help="a KV cache store shared with other workers: a directory, or redis://HOST:PORT/DB",
+    )
+    serve.add_argument(
+        "--kv-store-max-mib", type=int, default=1024, help="a directory store's size bound"
+    )
+    serve.add_argument(
+        "--kv-store-load",
+        choices=["measured", "always"],
+        default="measured",
+        help="load a stored prefix when measured cheaper than recomputing it, or always",
+    )
+    serve.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        default="both",
+        help="prefill/decode disaggregation: what this worker does (needs --kv-store)",
+    )
     _add_speculative(serve)
     _add_kv_window(serve)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
     router = sub.add_parser("router", help="route OpenAI requests to several servers")
-    router.add_argument("--worker", action="append", required=True, help="a server's URL")
+    router.add_argument("--worker", action="append", default=[], help="a server's URL")
+    router.add_argument(
+        "--prefill", action="append", default=[], help="a prefill worker's URL (PD mode)"
+    )
+    router.add_argument(
+        "--decode", action="append", default=[], help="a decode worker's URL (PD mode)"
+    )
     router.add_argument(
         "--model",
         default=None,

@@ -1,0 +1,229 @@
+"""A KV connector over a cache store (Chapter 8): blocks computed by any engine
+that shares the store can be loaded here instead of recomputed.
+
+It is the second tier of the prefix cache. When the scheduler admits a
+request, the connector looks up the request's full blocks past the local hits,
+by the same hash chain the prefix cache files them under, and offers the
+leading run the store holds. A request handed on by a prefill worker always
+loads them; any other loads them only when loading is estimated to be cheaper
+than computing them (TransferCost, from what this engine measured).
+
+Blocks are fetched and checked in a background thread while the request waits
+in WAITING_FOR_KV and the others keep stepping; they are written into the pool
+between steps (``finished_loads``). A block that is missing, corrupt or holds other tokens
+ends the load there: the tokens from it on are computed, as if never found.
+When a request finishes, its full computed blocks that the store lacks are saved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as TokenList
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from engine.core.stats import KVTransferStats
+from engine.kv.block_codec import BlockLayout, concat, decode_block, encode_block, layout_of
+from engine.kv.hashing import chain_hash
+from engine.kv.kv_cache import KVBlocks
+
+if TYPE_CHECKING:
+    from engine.kv.store.base import KVStore
+    from engine.sequence import Sequence
+
+
+class BlockIO(Protocol):
+    """Where the blocks live: the pool, through the executor."""
+
+    def read_kv_blocks(self, block_ids: list[int]) -> KVBlocks: ...
+
+    def write_kv_blocks(self, block_ids: list[int], data: KVBlocks) -> None: ...
+
+
+@dataclass
+class TransferCost:
+    """Seconds to compute a prompt token here, and to load a block from the store:
+    measured at start-up, the load side then kept up to date by real loads."""
+
+    compute_seconds_per_token: float
+    load_seconds_per_block: float
+    always: bool = False  # load whatever the costs say (kv_store_load="always")
+
+    def load_pays(self, num_blocks: int, block_size: int) -> bool:
+        if self.always:
+            return True
+        load = num_blocks * self.load_seconds_per_block
+        return load < num_blocks * block_size * self.compute_seconds_per_token
+
+    def observe_load(self, num_blocks: int, seconds: float) -> None:
+        if num_blocks:  # a running mean, weighted toward the recent
+            self.load_seconds_per_block += 0.2 * (
+                seconds / num_blocks - self.load_seconds_per_block
+            )
+
+
+@dataclass
+class Load:
+    seq: Sequence
+    block_ids: list[int]
+    future: Future[tuple[list[KVBlocks], int]]
+    started: float
+
+
+def block_chain(root: bytes, token_ids: TokenList[int], block_size: int, n: int) -> list[bytes]:
+    """The hash chain of the first ``n`` full blocks of ``token_ids``."""
+    chain, parent = [], root
+    for i in range(n):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        chain.append(parent)
+    return chain
+
+
+class StoreConnector:
+    def __init__(
+        self,
+        store: KVStore,
+        io: BlockIO,
+        layout: BlockLayout,
+        block_size: int,
+        root: bytes,
+        cost: TransferCost,
+        stats: KVTransferStats,
+    ) -> None:
+        self.store, self.io, self.layout = store, io, layout
+        self.block_size, self.root = block_size, root
+        self.cost, self.stats = cost, stats
+        self.loads: dict[str, Load] = {}  # request id -> its load in flight
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
+
+    def chain(self, seq: Sequence, n: int) -> list[bytes]:
+        return block_chain(self.root, seq.token_ids, self.block_size, n)
+
+    # --8<-- [start:lookup]
+    def num_external_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+        """The store's run of ``seq``'s full blocks after the local hits, if
+        loading them pays (always, for a request a prefill worker handed on)."""
+        bs = self.block_size
+        first, last = num_computed_tokens // bs, (seq.num_tokens - 1) // bs
+        if last <= first:
+            return 0, False
+        found = self.store.contains(self.chain(seq, last)[first:])
+        if found and seq.handoff is None and not self.cost.load_pays(found, bs):
+            self.stats.skipped_tokens += found * bs
+            return 0, False
+        return found * bs, True
+
+    # --8<-- [end:lookup]
+
+    def after_allocation(
+        self, seq: Sequence, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Fetch the blocks in the background; ``finished_loads`` writes them in."""
+        first = seq.num_computed_tokens // self.block_size
+        keys = self.chain(seq, first + len(block_ids))[first:]
+        bs = self.block_size
+        tokens = [seq.token_ids[(first + i) * bs : (first + i + 1) * bs] for i in range(len(keys))]
+        future = self.fetcher.submit(self._fetch, keys, tokens)
+        self.stats.loads += 1
+        self.loads[seq.request_id] = Load(seq, list(block_ids), future, time.perf_counter())
+
+    # --8<-- [start:fetch]
+    def _fetch(self, keys: list[bytes], tokens: list[list[int]]) -> tuple[list[KVBlocks], int]:
+        """The blocks the store holds for ``keys``, checked, up to the first that
+        is missing (evicted since the lookup), corrupt, or holds other tokens;
+        and the bytes they came in."""
+        found, nbytes = [], 0
+        for key, want in zip(keys, tokens):
+            payload = self.store.get(key)  # None if missing or its checksum fails
+            block = decode_block(payload, self.layout) if payload is not None else None
+            if block is None or block[0] != want:
+                break
+            found.append(block[1])
+            nbytes += len(payload)
+        return found, nbytes
+
+    # --8<-- [end:fetch]
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a load to finish, if none has."""
+        if self.loads and not any(ld.future.done() for ld in self.loads.values()):
+            wait([ld.future for ld in self.loads.values()], timeout, "FIRST_COMPLETED")
+
+    def finished_loads(self) -> dict[str, int]:
+        """Write the finished loads into the pool: tokens loaded, by request id."""
+        done = {rid: ld for rid, ld in self.loads.items() if ld.future.done()}
+        loaded = {}
+        for rid, ld in done.items():
+            del self.loads[rid]
+            blocks, nbytes = ld.future.result()
+            if blocks:
+                self.io.write_kv_blocks(ld.block_ids[: len(blocks)], concat(blocks))
+            self.stats.loaded_bytes += nbytes
+            loaded[rid] = self._count_load(ld, len(blocks))
+        return loaded
+
+    def _count_load(self, ld: Load, num_blocks: int) -> int:
+        tokens = num_blocks * self.block_size
+        seconds = time.perf_counter() - ld.started
+        self.stats.hit_tokens += tokens
+        self.stats.handoff_tokens += tokens if ld.seq.handoff is not None else 0
+        self.stats.failed_blocks += len(ld.block_ids) - num_blocks
+        self.stats.load_seconds += seconds
+        self.stats.recompute_seconds_estimate += tokens * self.cost.compute_seconds_per_token
+        self.cost.observe_load(num_blocks, seconds)
+        return tokens
+
+    # --8<-- [start:save]
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
+        """Save the full computed blocks the store lacks, now: a prefill worker's
+        reply must not go out before its blocks are there. False: free them."""
+        n = min(seq.num_computed_tokens, seq.num_tokens - 1) // self.block_size
+        chain = self.chain(seq, n)
+        have = self.store.contains(chain)
+        if have == n:
+            return False
+        start = time.perf_counter()
+        data = self.io.read_kv_blocks(block_ids[have:n])
+        bs = self.block_size
+        for i, key in enumerate(chain[have:]):
+            b = have + i
+            payload = encode_block(seq.token_ids[b * bs : (b + 1) * bs], data, i)
+            self.store.put(key, payload)
+            self.stats.saved_bytes += len(payload)
+        self.stats.saved_blocks += n - have
+        self.stats.save_seconds += time.perf_counter() - start
+        return False
+
+    # --8<-- [end:save]
+
+    def close(self) -> None:
+        self.fetcher.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+
+
+def make_connector(
+    store: KVStore,
+    io: BlockIO,
+    block_size: int,
+    root: bytes,
+    stats: KVTransferStats,
+    step_seconds: float,
+    step_tokens: int,
+    always_load: bool = False,
+) -> StoreConnector:
+    """A connector whose costs start from what this engine measured: a forward
+    pass of ``step_tokens`` tokens took ``step_seconds``, and loading one block
+    (timed now, with a probe entry of a block's size, filed under a key no chain
+    can produce) takes what it takes."""
+    probe_blocks = io.read_kv_blocks([0])
+    layout = layout_of(probe_blocks)
+    payload = encode_block([0] * block_size, probe_blocks, 0)
+    key = chain_hash(root, [-1])  # token -1 is in no prompt
+    store.put(key, payload)
+    start = time.perf_counter()
+    store.get(key)
+    load = time.perf_counter() - start
+    store.evict(key)
+    cost = TransferCost(step_seconds / step_tokens, load, always_load)
+    return StoreConnector(store, io, layout, block_size, root, cost, stats)

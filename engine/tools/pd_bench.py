@@ -1,0 +1,155 @@
+"""`python -m engine.tools.pd_bench`: prefill/decode disaggregation measured on
+this machine (Chapter 8), three ways, in one run.
+
+1. Interference (DistServe's experiment, on a CPU): a mixed workload, short
+   prompts that decode for a while with long prompts arriving among them,
+   through two colocated `both` workers behind the plain router, and through
+   one prefill and one decode worker behind the PD router. Time to first token
+   and inter-token latency, p50 and p99, as clients measure them (the time
+   between two streamed events, per token they carry).
+2. Store throughput: MB/s to put and get one block's entry, for the directory
+   store and, when redis-server is installed, for Redis.
+3. Break-even: for prompt lengths, an engine's time to its first token when
+   it computes the prompt, and when it loads the prompt's blocks from the
+   directory store (kv_store_load="always"); the shortest prompt that loads faster.
+
+Figures vary with the machine and with anything else it runs: measure idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+
+import httpx
+
+from engine.tools.launch import launched
+
+MODEL = "snippets/models/deepinfer-tiny"
+NAME = "deepinfer-tiny"
+WORKER = ("--dtype", "float32", "--num-kv-blocks", "2048", "--no-compile-decode")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: list[int], out: int, lat: dict) -> None:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": out, "stream": True}
+    body |= {"temperature": 0, "ignore_eos": True}
+    start = last = time.perf_counter()
+    first = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                lat["ttft"].append((now - start) * 1e3)
+            elif json.loads(line[6:])["choices"]:
+                lat["itl"].append((now - last) * 1e3)
+            last = now
+
+
+async def workload(url: str, seed: int, num_short: int, num_long: int, long_len: int) -> dict:
+    """Short prompts decoding 64 tokens, and long prompts arriving every 0.25 s."""
+    rng = random.Random(seed)
+    lat: dict = {"ttft": [], "itl": []}
+    async with httpx.AsyncClient(timeout=None) as client:
+        shorts = [
+            one(client, url, [rng.randrange(3, 500) for _ in range(16)], 64, lat)
+            for _ in range(num_short)
+        ]
+        tasks = [asyncio.ensure_future(t) for t in shorts]
+        long_lat: dict = {"ttft": [], "itl": []}
+        for _ in range(num_long):
+            await asyncio.sleep(0.25)
+            prompt = [rng.randrange(3, 500) for _ in range(long_len)]
+            tasks.append(asyncio.ensure_future(one(client, url, prompt, 4, long_lat)))
+        await asyncio.gather(*tasks)
+    return {"short": lat, "long": long_lat}
+
+
+def interference(args: argparse.Namespace) -> None:
+    """Two colocated workers against one prefill and one decode worker."""
+    shape = (args.short, args.long, args.long_len)
+    with tempfile.TemporaryDirectory() as store:
+        pd = ("--kv-store", store)
+        rr = ("--policy", "round-robin")
+        with (
+            launched("serve", MODEL, *WORKER) as a,
+            launched("serve", MODEL, *WORKER) as b,
+            launched("router", "--worker", a, "--worker", b, *rr) as r,
+        ):
+            colocated = asyncio.run(workload(r, args.seed, *shape))
+        with (
+            launched("serve", MODEL, *WORKER, *pd, "--role", "prefill") as p,
+            launched("serve", MODEL, *WORKER, *pd, "--role", "decode") as d,
+            launched("router", "--prefill", p, "--decode", d, "--model", MODEL) as r,
+        ):
+            split = asyncio.run(workload(r, args.seed, *shape))
+    print(f"{'ms':<26}{'p50':>9}{'p99':>9}{'p50':>9}{'p99':>9}")
+    print(f"{'':<26}{'colocated':>18}{'prefill/decode':>18}")
+    rows = [("short TTFT", "short", "ttft"), ("short ITL", "short", "itl")]
+    rows.append(("long TTFT", "long", "ttft"))
+    for label, group, kind in rows:
+        cells = [percentile(run[group][kind], q) for run in (colocated, split) for q in (0.5, 0.99)]
+        print(f"{label:<26}" + "".join(f"{c:9.1f}" for c in cells))
+
+
+def store_throughput(args: argparse.Namespace) -> None:
+    from engine.tools import store_bench
+
+    store_bench.main([])
+
+
+def break_even(args: argparse.Namespace) -> None:
+    """Time to the first token, computing the prompt or loading it from the store."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    kw = dict(model=MODEL, dtype="float32", num_kv_blocks=512, enable_prefix_caching=True)
+    rng = random.Random(args.seed)
+    print(f"{'prompt tokens':>14}{'compute ms':>12}{'load ms':>10}{'load/compute':>14}")
+    with tempfile.TemporaryDirectory() as store:
+        saver = LLM(**kw, kv_store=store)
+        for length in (16, 64, 256, 900):
+            times = {"compute": [], "load": []}
+            for _ in range(args.repeats):
+                prompt = [rng.randrange(3, 500) for _ in range(length + 1)]
+                saver.generate([prompt], params, use_tqdm=False)  # saves its blocks
+                for side, extra in (("compute", {}), ("load", {"kv_store": store})):
+                    llm = LLM(**kw, **extra, kv_store_load="always")
+                    start = time.perf_counter()
+                    llm.generate([prompt], params, use_tqdm=False)
+                    times[side].append((time.perf_counter() - start) * 1e3)
+                    llm.shutdown()
+            c, ld = (statistics.median(times[s]) for s in ("compute", "load"))
+            print(f"{length:>14}{c:>12.2f}{ld:>10.2f}{ld / c:>14.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["interference", "store", "break-even", "all"])
+    parser.add_argument("--short", type=int, default=24, help="short requests")
+    parser.add_argument("--long", type=int, default=6, help="long prompts arriving")
+    parser.add_argument("--long-len", type=int, default=900)  # deepinfer-tiny: 1,024 at most
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    parts = {"interference": interference, "store": store_throughput, "break-even": break_even}
+    for name, part in parts.items():
+        if args.part in (name, "all", None):
+            print(f"== {name}")
+            part(args)
+
+
+if __name__ == "__main__":
+    main()
