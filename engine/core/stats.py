@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -66,6 +67,19 @@ class KVTransferStats:
     save_seconds: float = 0.0
     # What computing the loaded tokens would have taken, from the measured prefill rate
     recompute_seconds_estimate: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVTransferRecord:
+    """One request's traffic with the store: its load, or its save when it ended.
+    The front end turns these into per-request histograms (bytes moved, and the
+    time moving them against the time computing the same tokens would take)."""
+
+    direction: Literal["load", "save"]
+    tokens: int
+    nbytes: int
+    seconds: float
+    recompute_seconds_estimate: float
 
 
 @dataclass

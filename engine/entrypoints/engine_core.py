@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.output_processor import ProcessedOutputs
-from engine.core.stats import KVTransferStats, SpecDecodeStats
+from engine.core.stats import KVTransferRecord, KVTransferStats, SpecDecodeStats
 from engine.entrypoints.host_memory import HeapTrimmer, bound_onednn_caches
 from engine.kv.handoff import Handoff
+from engine.kv.store.base import StoreStats
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -65,6 +66,10 @@ class CoreStats:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     forwards_per_output_token: float = 0.0
     kv_transfer: KVTransferStats = field(default_factory=KVTransferStats)  # a copy
+    # Each request's load or save since the last step's stats, and the store's
+    # own counts (None without a store)
+    kv_records: list[KVTransferRecord] = field(default_factory=list)
+    kv_store: StoreStats | None = None
 
 
 @dataclass
@@ -179,7 +184,7 @@ class EngineCore:
 
     def _stats(self) -> CoreStats:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        total = len(blocks.blocks)
+        total, connector = len(blocks.blocks), self.engine.connector
         return CoreStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -188,4 +193,6 @@ class EngineCore:
             spec_decode=copy.deepcopy(self.engine.stats.spec_decode),
             forwards_per_output_token=self.engine.stats.forwards_per_output_token,
             kv_transfer=copy.copy(self.engine.stats.kv_transfer),
+            kv_records=connector.take_records() if connector else [],
+            kv_store=connector.backend_stats() if connector else None,
         )

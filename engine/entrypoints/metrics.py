@@ -88,7 +88,7 @@ class ServerMetrics:
         self.failed = make(Counter, "request_failed", "Requests failed by the engine.")
         self.http = make(Counter, "http_requests", "HTTP requests answered.", ("handler", "status"))
         self.spec = SpecDecodeMetrics(make)
-        self.kv_store = KVTransferMetrics(make)
+        self.kv_store = KVTransferMetrics(make, labels)
         self._labels = labels
         self._preemptions_seen = 0
         self._queried = self._hit = 0
@@ -119,4 +119,4 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
         self.spec.update(stats)
-        self.kv_store.update(stats.kv_transfer)
+        self.kv_store.update(stats.kv_transfer, stats.kv_records, stats.kv_store)

@@ -18,18 +18,19 @@ When a request finishes, its full computed blocks that the store lacks are saved
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence as TokenList
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine.core.stats import KVTransferStats
+from engine.core.stats import KVTransferRecord, KVTransferStats
 from engine.kv.block_codec import BlockLayout, concat, decode_block, encode_block, layout_of
 from engine.kv.hashing import chain_hash
 from engine.kv.kv_cache import KVBlocks
 
 if TYPE_CHECKING:
-    from engine.kv.store.base import KVStore
+    from engine.kv.store.base import KVStore, StoreStats
     from engine.sequence import Sequence
 
 
@@ -39,6 +40,9 @@ class BlockIO(Protocol):
     def read_kv_blocks(self, block_ids: list[int]) -> KVBlocks: ...
 
     def write_kv_blocks(self, block_ids: list[int], data: KVBlocks) -> None: ...
+
+
+RECORDS_KEPT = 4096
 
 
 @dataclass
@@ -95,6 +99,9 @@ class StoreConnector:
         self.block_size, self.root = block_size, root
         self.cost, self.stats = cost, stats
         self.loads: dict[str, Load] = {}  # request id -> its load in flight
+        # Each request's load and save, until the front end takes them (bounded,
+        # so an offline engine that never takes them keeps only the latest).
+        self.records: deque[KVTransferRecord] = deque(maxlen=RECORDS_KEPT)
         self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
 
     def chain(self, seq: Sequence, n: int) -> list[bytes]:
@@ -160,19 +167,31 @@ class StoreConnector:
             if blocks:
                 self.io.write_kv_blocks(ld.block_ids[: len(blocks)], concat(blocks))
             self.stats.loaded_bytes += nbytes
-            loaded[rid] = self._count_load(ld, len(blocks))
+            loaded[rid] = self._count_load(ld, len(blocks), nbytes)
         return loaded
 
-    def _count_load(self, ld: Load, num_blocks: int) -> int:
+    def _count_load(self, ld: Load, num_blocks: int, nbytes: int) -> int:
         tokens = num_blocks * self.block_size
         seconds = time.perf_counter() - ld.started
         self.stats.hit_tokens += tokens
         self.stats.handoff_tokens += tokens if ld.seq.handoff is not None else 0
         self.stats.failed_blocks += len(ld.block_ids) - num_blocks
         self.stats.load_seconds += seconds
-        self.stats.recompute_seconds_estimate += tokens * self.cost.compute_seconds_per_token
+        recompute = tokens * self.cost.compute_seconds_per_token
+        self.stats.recompute_seconds_estimate += recompute
+        self.records.append(KVTransferRecord("load", tokens, nbytes, seconds, recompute))
         self.cost.observe_load(num_blocks, seconds)
         return tokens
+
+    def take_records(self) -> list[KVTransferRecord]:
+        """The loads and saves since the last call, oldest first."""
+        taken = list(self.records)
+        self.records.clear()
+        return taken
+
+    def backend_stats(self) -> StoreStats:
+        """The store's own counts: hits, misses, corrupt entries, errors."""
+        return self.store.stats.snapshot()
 
     # --8<-- [start:save]
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
@@ -185,17 +204,24 @@ class StoreConnector:
             return False
         start = time.perf_counter()
         data = self.io.read_kv_blocks(block_ids[have:n])
-        bs = self.block_size
+        bs, nbytes = self.block_size, 0
         for i, key in enumerate(chain[have:]):
             b = have + i
             payload = encode_block(seq.token_ids[b * bs : (b + 1) * bs], data, i)
             self.store.put(key, payload)
-            self.stats.saved_bytes += len(payload)
-        self.stats.saved_blocks += n - have
-        self.stats.save_seconds += time.perf_counter() - start
+            nbytes += len(payload)
+        self._count_save(n - have, nbytes, time.perf_counter() - start)
         return False
 
     # --8<-- [end:save]
+
+    def _count_save(self, num_blocks: int, nbytes: int, seconds: float) -> None:
+        tokens = num_blocks * self.block_size
+        self.stats.saved_bytes += nbytes
+        self.stats.saved_blocks += num_blocks
+        self.stats.save_seconds += seconds
+        recompute = tokens * self.cost.compute_seconds_per_token
+        self.records.append(KVTransferRecord("save", tokens, nbytes, seconds, recompute))
 
     def close(self) -> None:
         self.fetcher.shutdown(wait=True, cancel_futures=True)

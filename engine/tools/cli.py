@@ -12,6 +12,7 @@
     deepinfer generate/serve/bench ... --kv-window SINKS,WINDOW
                                                    a sliding window with attention sinks
     deepinfer bench --kv-quality [--model PATH]    each KV cache's perplexity, agreement, bytes
+    deepinfer bench --pd                           prefill/decode workers against colocated ones
     deepinfer edition check [PATH]                 does this checkout match the book?
 
 Each subcommand imports what it needs when it runs, so `edition check` works
@@ -180,6 +181,11 @@ def _pd_router(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.pd:  # deepinfer-tiny's own workers, on loopback
+        from engine.tools.pd_bench import main as run_pd
+
+        run_pd(["--repeats", str(args.repeats), "--seed", str(args.seed)])
+        return 0
     if args.kv_quality:  # the shipped tiny models (or --model) and a random V3.2
         from engine.tools.kv_quality import run as run_quality
 
@@ -545,6 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="held-out perplexity, greedy agreement and KV bytes per token for each "
         "cache (exact, fp8_e4m3, int8, a window; DSA on a random V3.2), float32",
+    )
+    bench.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill/decode disaggregation on deepinfer-tiny: interference against two "
+        "colocated workers, per-request transfer, store MB/s, and the load/compute break-even",
     )
     bench.set_defaults(func=_bench)
 

@@ -27,6 +27,7 @@ import tempfile
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.tools.launch import launched
 
@@ -95,6 +96,7 @@ def interference(args: argparse.Namespace) -> None:
             launched("router", "--prefill", p, "--decode", d, "--model", MODEL) as r,
         ):
             split = asyncio.run(workload(r, args.seed, *shape))
+            accounting = transfer_accounting(scrape(p), scrape(d))
     print(f"{'ms':<26}{'p50':>9}{'p99':>9}{'p50':>9}{'p99':>9}")
     print(f"{'':<26}{'colocated':>18}{'prefill/decode':>18}")
     rows = [("short TTFT", "short", "ttft"), ("short ITL", "short", "itl")]
@@ -102,6 +104,41 @@ def interference(args: argparse.Namespace) -> None:
     for label, group, kind in rows:
         cells = [percentile(run[group][kind], q) for run in (colocated, split) for q in (0.5, 0.99)]
         print(f"{label:<26}" + "".join(f"{c:9.1f}" for c in cells))
+    print(accounting)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A worker's /metrics, each sample by name and its direction label (if any)."""
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            direction = s.labels.get("direction")
+            samples[s.name + (f":{direction}" if direction else "")] = s.value
+    return samples
+
+
+def transfer_accounting(prefill: dict[str, float], decode: dict[str, float]) -> str:
+    """Per request, from the split run's workers: bytes saved and loaded, and the
+    decode side's transfer time against its estimated time to compute; the store's
+    hits, misses and corrupt entries as the decode worker read them."""
+    k = "deepinfer:kv_store_"
+    saves, loads = prefill[k + "request_bytes_count:save"], decode[k + "request_bytes_count:load"]
+    saved = prefill[k + "request_bytes_sum:save"] / max(saves, 1)
+    loaded = decode[k + "request_bytes_sum:load"] / max(loads, 1)
+    ratio = decode[k + "load_seconds_total"] / max(
+        decode[k + "recompute_seconds_estimate_total"], 1e-9
+    )
+    reads = ", ".join(
+        f"{n} {decode[f'{k}backend_{n}_total']:.0f}" for n in ("hits", "misses", "corrupt")
+    )
+    return "\n".join(
+        [
+            f"saved per request: {saved:,.0f} B ({saves:.0f} requests)",
+            f"loaded per request: {loaded:,.0f} B ({loads:.0f} requests)",
+            f"load seconds / estimated recompute seconds: {ratio:.2f}",
+            f"decode worker's store reads: {reads}",
+        ]
+    )
 
 
 def store_throughput(args: argparse.Namespace) -> None:

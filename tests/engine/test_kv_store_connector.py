@@ -83,6 +83,24 @@ def test_a_handed_on_request_continues_token_identically(
         assert stats.handoff_tokens > handed and stats.loads > len(keep)
     else:
         assert stats.handoff_tokens == handed and stats.loads == len(keep)
+    assert_records_add_up(receiver, sender)
+
+
+def assert_records_add_up(receiver: LLM, sender: LLM) -> None:
+    """Each request's load and save, as /metrics observes them, add up to the
+    cumulative counts: one load record per load, one save record per saving request."""
+    records = receiver.llm_engine.connector.take_records()
+    loads = [r for r in records if r.direction == "load"]
+    stats = receiver.stats.kv_transfer
+    assert len(loads) == stats.loads
+    assert sum(r.nbytes for r in loads) == stats.loaded_bytes
+    assert sum(r.tokens for r in loads) == stats.hit_tokens
+    assert all(r.recompute_seconds_estimate > 0 for r in loads if r.tokens)
+    saves = sender.llm_engine.connector.take_records()
+    assert saves and all(r.direction == "save" for r in saves)
+    assert sum(r.nbytes for r in saves) == sender.stats.kv_transfer.saved_bytes
+    assert sum(r.tokens for r in saves) == sender.stats.kv_transfer.saved_blocks * BLOCK
+    assert sender.llm_engine.connector.take_records() == []  # taken once
 
 
 def damage(store: Path, how: str) -> int:
@@ -114,8 +132,12 @@ def test_a_damaged_store_is_counted_and_recomputed(qwen3, tmp_path, how) -> None
     assert [o.token_ids for o in got] == want
     stats = receiver.stats.kv_transfer
     assert stats.hit_tokens == 0
+    backend = receiver.llm_engine.connector.backend_stats()
     if how != "delete":  # listed, then found bad: counted; a deleted one is never offered
         assert stats.failed_blocks == sum(len(p) // BLOCK for p in batch)
+        assert backend.corrupt == stats.loads == len(batch)  # each load stops at its first
+    else:
+        assert backend.corrupt == 0 and stats.loads == 0
 
 
 def test_the_second_tier_loads_only_when_it_pays(qwen3, tmp_path) -> None:

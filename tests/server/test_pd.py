@@ -12,6 +12,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -76,7 +77,7 @@ def text(url: str, prompt: str, stream: bool, seed: int | None, max_tokens: int 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("seed", [None, 11])
 def test_pd_gives_a_single_workers_text(cluster, stream: bool, seed: int | None) -> None:
-    plain, _, decode, router = cluster
+    plain, prefill, decode, router = cluster
     before = sum(metric(d.url, "deepinfer:kv_store_handoff_tokens_total") for d in decode)
     batch = prompts(32, seed=2 * stream + (seed is not None))
     with ThreadPoolExecutor(4) as pool:
@@ -87,6 +88,25 @@ def test_pd_gives_a_single_workers_text(cluster, stream: bool, seed: int | None)
     assert after > before  # the prompts' blocks came through the store
     handed = metric(router.url, "deepinfer_router:pd_handoffs_total")
     assert handed >= 1
+    for worker, direction, total in [
+        *((d, "load", "loaded_bytes") for d in decode),
+        *((p, "save", "saved_bytes") for p in prefill),
+    ]:  # each request's transfer, observed once, adds up to the counter
+        moved = by_direction(worker.url, "deepinfer:kv_store_request_bytes_sum", direction)
+        assert moved == metric(worker.url, f"deepinfer:kv_store_{total}_total")
+    loads = sum(
+        by_direction(d.url, "deepinfer:kv_store_request_bytes_count", "load") for d in decode
+    )
+    assert loads == sum(metric(d.url, "deepinfer:kv_store_loads_total") for d in decode)
+    hits = sum(metric(d.url, "deepinfer:kv_store_backend_hits_total") for d in decode)
+    assert hits * 16 >= after  # every handed-on block was a verified read of the store
+
+
+def by_direction(url: str, name: str, direction: str) -> float:
+    """A per-request histogram's series for loads or for saves, from /metrics."""
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    label = f'direction="{direction}"'
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name) and label in ln)
 
 
 def test_chat_and_models_are_served_whole(cluster) -> None:
