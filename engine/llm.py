@@ -68,6 +68,8 @@ class LLM:
             engine.trace.save()  # where trace= said, if it named a file
         if engine.eplb.placement is not None:
             engine.eplb.sync_stats()  # every rank's share of the expert stats
+        if engine.connector is not None:
+            engine.connector.flush()  # what this call saved is in the store when it returns
         return [finished[seq.request_id] for seq in seqs]
 
     def rebalance_experts(self, num_redundant: int | None = None) -> RebalanceReport:

@@ -109,8 +109,9 @@ class LLMEngine:
             tokens = 4 * block_size
             [seconds] = self.executor.measure_step_times([tokens])
             stats, always = self.stats.kv_transfer, config.kv_store_load == "always"
+            background = config.role != "prefill"  # its reply waits for the saves
             self.connector = make_connector(
-                store, self.executor, block_size, root, stats, seconds, tokens, always
+                store, self.executor, block_size, root, stats, seconds, tokens, always, background
             )
         return self.connector
 

@@ -63,6 +63,7 @@ class KVTransferStats:
     loaded_bytes: int = 0
     saved_bytes: int = 0
     saved_blocks: int = 0
+    dropped_saves: int = 0  # finished requests not saved: too much already waiting to be
     load_seconds: float = 0.0  # fetching, checking and writing blocks into the pool
     save_seconds: float = 0.0
     # What computing the loaded tokens would have taken, from the measured prefill rate

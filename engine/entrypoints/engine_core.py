@@ -82,6 +82,8 @@ class CoreBatch:
 
 
 _STOP = object()
+# While background saves run, an idle core wakes this often to send their counts.
+SAVE_POLL_S = 0.05
 
 
 class EngineCore:
@@ -94,6 +96,7 @@ class EngineCore:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.dead: str | None = None  # why the core stopped, if it failed for good
+        self._sent_saving = False
 
     def make_sequence(
         self,
@@ -134,9 +137,10 @@ class EngineCore:
     def _loop(self, deliver: Callable[[CoreBatch], None]) -> None:
         engine = self.engine
         while True:
-            busy = engine.has_unfinished_requests()
-            try:  # idle: sleep until a request comes; busy: take what has come
-                command = self.inbox.get(block=not busy)
+            busy, saving = engine.has_unfinished_requests(), self._saving() or self._sent_saving
+            # idle: sleep until a request comes, or a save may have ended; busy: take what has come
+            try:
+                command = self.inbox.get(block=not busy, timeout=SAVE_POLL_S if saving else None)
             except queue.Empty:
                 command = None
             applied = command is not None
@@ -150,10 +154,16 @@ class EngineCore:
                 deliver(CoreBatch(self.outbox.take(), self._stats(), failed))
                 if self.dead:
                     return
-            elif applied:  # aborts left the engine idle: say so, blocks freed
+            elif applied or saving:  # idle after aborts, or saves landing: say so
                 deliver(CoreBatch([], self._stats()))
             if not engine.has_unfinished_requests():  # idle: give the heap's free pages back
                 self.trimmer.maybe_trim()
+
+    def _saving(self) -> bool:
+        """Background saves to the KV store are running: their counts are not all
+        in the stats yet (``_sent_saving``: they were when the last were taken)."""
+        connector = self.engine.connector
+        return connector is not None and connector.saving()
 
     def _apply(self, command: tuple[str, list]) -> None:
         kind, items = command
@@ -185,6 +195,7 @@ class EngineCore:
     def _stats(self) -> CoreStats:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         total, connector = len(blocks.blocks), self.engine.connector
+        self._sent_saving = self._saving()  # then stats go once more, with their counts
         return CoreStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),

@@ -28,6 +28,7 @@ HELP = {
     "loaded_bytes": "Bytes loaded from the KV store.",
     "saved_bytes": "Bytes saved to the KV store.",
     "saved_blocks": "Blocks saved to the KV store.",
+    "dropped_saves": "Finished requests not saved: too many bytes already waiting to be.",
     "load_seconds": "Seconds fetching, checking and writing blocks from the store.",
     "save_seconds": "Seconds saving blocks to the store.",
     "recompute_seconds_estimate": "Seconds computing the loaded tokens was estimated to take.",

@@ -12,11 +12,15 @@ Blocks are fetched and checked in a background thread while the request waits
 in WAITING_FOR_KV and the others keep stepping; they are written into the pool
 between steps (``finished_loads``). A block that is missing, corrupt or holds other tokens
 ends the load there: the tokens from it on are computed, as if never found.
-When a request finishes, its full computed blocks that the store lacks are saved.
+When a request finishes, its full computed blocks that the store lacks are copied
+out of the pool and saved: at once on a prefill worker, whose reply must not
+go out before them, and in a background thread elsewhere, so that no step
+waits for the store's writes.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence as TokenList
@@ -43,6 +47,10 @@ class BlockIO(Protocol):
 
 
 RECORDS_KEPT = 4096
+# Bytes of finished requests' blocks copied out and waiting for a background
+# save; a save past this is dropped (counted): the store is a cache, and a lost
+# entry is only a later miss, while a queue without bound would be a leak.
+MAX_PENDING_SAVE_BYTES = 256 << 20
 
 
 @dataclass
@@ -94,11 +102,17 @@ class StoreConnector:
         root: bytes,
         cost: TransferCost,
         stats: KVTransferStats,
+        background_saves: bool = True,
     ) -> None:
         self.store, self.io, self.layout = store, io, layout
         self.block_size, self.root = block_size, root
         self.cost, self.stats = cost, stats
         self.loads: dict[str, Load] = {}  # request id -> its load in flight
+        # None: save in the step (a prefill worker); else the thread that saves
+        self.saver = ThreadPoolExecutor(1, "kv-store-save") if background_saves else None
+        self.saves: set[Future[None]] = set()  # background saves not yet done
+        self.pending_bytes = 0  # what they hold
+        self.saves_lock = threading.Lock()  # the saving thread ends saves
         # Each request's load and save, until the front end takes them (bounded,
         # so an offline engine that never takes them keeps only the latest).
         self.records: deque[KVTransferRecord] = deque(maxlen=RECORDS_KEPT)
@@ -184,9 +198,11 @@ class StoreConnector:
         return tokens
 
     def take_records(self) -> list[KVTransferRecord]:
-        """The loads and saves since the last call, oldest first."""
-        taken = list(self.records)
-        self.records.clear()
+        """The loads and saves since the last call, oldest first (a background save
+        may append while this runs: each record is taken once)."""
+        taken = []
+        while self.records:
+            taken.append(self.records.popleft())
         return taken
 
     def backend_stats(self) -> StoreStats:
@@ -195,8 +211,9 @@ class StoreConnector:
 
     # --8<-- [start:save]
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
-        """Save the full computed blocks the store lacks, now: a prefill worker's
-        reply must not go out before its blocks are there. False: free them."""
+        """Save the full computed blocks the store lacks. They are copied out of
+        the pool now, so they can be freed at once (False); a prefill worker also
+        writes them now, since its reply must not go out before they are there."""
         n = min(seq.num_computed_tokens, seq.num_tokens - 1) // self.block_size
         chain = self.chain(seq, n)
         have = self.store.contains(chain)
@@ -204,16 +221,58 @@ class StoreConnector:
             return False
         start = time.perf_counter()
         data = self.io.read_kv_blocks(block_ids[have:n])
-        bs, nbytes = self.block_size, 0
-        for i, key in enumerate(chain[have:]):
-            b = have + i
-            payload = encode_block(seq.token_ids[b * bs : (b + 1) * bs], data, i)
-            self.store.put(key, payload)
-            nbytes += len(payload)
-        self._count_save(n - have, nbytes, time.perf_counter() - start)
+        bs = self.block_size
+        tokens = [seq.token_ids[b * bs : (b + 1) * bs] for b in range(have, n)]
+        copied = time.perf_counter() - start
+        if self.saver is None:
+            self._put(chain[have:], tokens, data, copied)
+        else:
+            self._put_later(chain[have:], tokens, data, copied)
         return False
 
     # --8<-- [end:save]
+
+    def _put(
+        self, keys: list[bytes], tokens: list[list[int]], data: KVBlocks, copied: float
+    ) -> None:
+        """Encode and store each block; count the save (``copied``: seconds the
+        copy out of the pool took)."""
+        start, nbytes = time.perf_counter(), 0
+        for i, key in enumerate(keys):
+            payload = encode_block(tokens[i], data, i)
+            self.store.put(key, payload)
+            nbytes += len(payload)
+        self._count_save(len(keys), nbytes, copied + time.perf_counter() - start)
+
+    def _put_later(
+        self, keys: list[bytes], tokens: list[list[int]], data: KVBlocks, copied: float
+    ) -> None:
+        """``_put`` in the saving thread; dropped, and counted, past the bound."""
+        size = data.nbytes()
+        with self.saves_lock:
+            if self.pending_bytes + size > MAX_PENDING_SAVE_BYTES:
+                self.stats.dropped_saves += 1
+                return
+            self.pending_bytes += size
+            future = self.saver.submit(self._put, keys, tokens, data, copied)
+            self.saves.add(future)
+        future.add_done_callback(lambda f: self._saved(f, size))
+
+    def _saved(self, future: Future[None], size: int) -> None:
+        with self.saves_lock:
+            self.saves.discard(future)
+            self.pending_bytes -= size
+        future.result()  # a save that raised is a bug: let it show
+
+    def saving(self) -> bool:
+        """Background saves are still running."""
+        return bool(self.saves)
+
+    def flush(self) -> None:
+        """Wait until every background save so far is in the store."""
+        with self.saves_lock:
+            saves = list(self.saves)
+        wait(saves)
 
     def _count_save(self, num_blocks: int, nbytes: int, seconds: float) -> None:
         tokens = num_blocks * self.block_size
@@ -224,6 +283,9 @@ class StoreConnector:
         self.records.append(KVTransferRecord("save", tokens, nbytes, seconds, recompute))
 
     def close(self) -> None:
+        """Finish the saves begun, stop the threads, close the store."""
+        if self.saver is not None:
+            self.saver.shutdown(wait=True)
         self.fetcher.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
@@ -237,6 +299,7 @@ def make_connector(
     step_seconds: float,
     step_tokens: int,
     always_load: bool = False,
+    background_saves: bool = True,
 ) -> StoreConnector:
     """A connector whose costs start from what this engine measured: a forward
     pass of ``step_tokens`` tokens took ``step_seconds``, and loading one block
@@ -252,4 +315,4 @@ def make_connector(
     load = time.perf_counter() - start
     store.evict(key)
     cost = TransferCost(step_seconds / step_tokens, load, always_load)
-    return StoreConnector(store, io, layout, block_size, root, cost, stats)
+    return StoreConnector(store, io, layout, block_size, root, cost, stats, background_saves)

@@ -71,7 +71,13 @@ def same_texts(plain: str, router: str, batch: list[str]) -> dict:
 def store_hit(first: str, second: str) -> int:
     """Part 2: prompt tokens the second worker loads of a prefix the first computed."""
     system = " ".join(prompts(1)[0].split()[:40]) * 2
+    saved = counter(first, "deepinfer:kv_store_saved_blocks_total")
     text(first, system + " first question", False, None)
+    deadline = time.monotonic() + 60  # its blocks are saved beside its steps, after the reply
+    while counter(first, "deepinfer:kv_store_saved_blocks_total") == saved:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the first worker never saved the prefix")
+        time.sleep(0.02)
     name = "deepinfer:kv_store_hit_tokens_total"
     before = counter(second, name)
     text(second, system + " second question", False, None)

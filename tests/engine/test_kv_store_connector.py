@@ -12,12 +12,14 @@ loading is estimated to be cheaper. A handoff from another key space is refused.
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.kv import store_connector
 from engine.kv.handoff import Handoff
 
 BLOCK = 4
@@ -176,3 +178,72 @@ def test_bad_store_settings_are_refused(qwen3, tmp_path) -> None:
         engine(path, tmp_path, kv_window=(4, 16))
     with pytest.raises(ValueError, match="role must be"):
         engine(path, tmp_path, role="prefil")
+
+
+class HeldStore:
+    """A store whose puts wait for ``release`` and note the thread they ran in."""
+
+    def __init__(self, store) -> None:
+        self.inner, self.release, self.threads = store, threading.Event(), []
+        self.stats = store.stats
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.threads.append(threading.current_thread().name)
+        assert self.release.wait(timeout=60), "the test never released the store"
+        self.inner.put(key, value)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def run_to_end(llm: LLM, batch: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Step the engine itself until every request is finished (no flush)."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    return [done[f"r{i}"] for i in range(len(batch))]
+
+
+def test_saves_run_beside_the_steps_except_on_a_prefill_worker(qwen3, tmp_path) -> None:
+    """A `both` worker's steps finish every request while its saves still wait for
+    the store; a prefill worker writes in the step, before its reply could go."""
+    path, _ = qwen3
+    params = PARAMS[0]
+    batch = prompts(3, seed=6)
+    want = [o.token_ids for o in engine(path, None).generate(batch, params, use_tqdm=False)]
+    llm = engine(path, tmp_path / "both")
+    conn = llm.llm_engine.connector
+    conn.store = held = HeldStore(conn.store)
+    assert run_to_end(llm, batch, params) == want  # no step waited for a put
+    assert conn.saves and llm.stats.kv_transfer.saved_blocks == 0
+    held.release.set()
+    conn.flush()
+    assert not conn.saves and conn.pending_bytes == 0
+    full = sum((len(p) + params.max_tokens - 1) // BLOCK for p in batch)
+    assert 0 < llm.stats.kv_transfer.saved_blocks <= full
+    assert set(held.threads) == {"kv-store-save_0"}
+
+    prefill = engine(path, tmp_path / "prefill", role="prefill")
+    pconn = prefill.llm_engine.connector
+    pconn.store = held = HeldStore(pconn.store)
+    held.release.set()
+    prefill.generate(batch, params, use_tqdm=False)
+    assert held.threads and set(held.threads) == {threading.current_thread().name}
+
+
+def test_saves_past_the_bound_are_dropped_and_counted(qwen3, tmp_path, monkeypatch) -> None:
+    path, _ = qwen3
+    params = PARAMS[0]
+    batch = prompts(4, seed=7)
+    want = [o.token_ids for o in engine(path, None).generate(batch, params, use_tqdm=False)]
+    llm = engine(path, tmp_path)
+    conn = llm.llm_engine.connector
+    conn.store = held = HeldStore(conn.store)
+    monkeypatch.setattr(store_connector, "MAX_PENDING_SAVE_BYTES", 1)  # none fits
+    assert run_to_end(llm, batch, params) == want
+    assert llm.stats.kv_transfer.dropped_saves == len(batch) and not conn.saves
+    held.release.set()
+    assert held.threads == [] and llm.stats.kv_transfer.saved_blocks == 0

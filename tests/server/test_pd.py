@@ -126,7 +126,13 @@ def test_a_prefix_one_worker_computed_is_a_store_hit_on_another(cluster) -> None
     """The store as the prefix cache's second tier: plain requests, no handoff."""
     _, _, decode, _ = cluster
     system = prompts(1, seed=21)[0] * 3  # a shared system prompt of several blocks
+    saved = "deepinfer:kv_store_saved_blocks_total"
+    before_save = metric(decode[0].url, saved)
     text(decode[0].url, system + " first question", False, None)
+    deadline = time.monotonic() + 30  # the save runs beside the steps, after the reply
+    while metric(decode[0].url, saved) == before_save:
+        assert time.monotonic() < deadline, "the first worker never saved the prefix"
+        time.sleep(0.05)
     name = "deepinfer:kv_store_hit_tokens_total"
     before = metric(decode[1].url, name)
     text(decode[1].url, system + " second question", False, None)
