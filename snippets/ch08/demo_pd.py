@@ -2,9 +2,9 @@
 prefill worker and two decode workers share a directory store behind the PD
 router; a plain worker answers the same requests alone.
 
-1. The official client asks both, greedy and seeded, streamed and not: the
-   texts must match, and the decode workers' /metrics say how many prompt
-   tokens came through the store.
+1. The official client asks both, greedy and seeded, streamed and not (four
+   ways): the texts must match, and the decode workers' /metrics say how many
+   prompt tokens came through the store during each way.
 2. A prefix one decode worker computed is a store hit on the other.
 3. Six seeded streams run; once the first decode worker holds one, it is
    SIGKILLed. Every stream must still end whole, with one worker's text.
@@ -58,14 +58,22 @@ def text(url: str, prompt: str, stream: bool, seed: int | None, n: int = 16) -> 
     return reply.choices[0].text
 
 
-def same_texts(plain: str, router: str, batch: list[str]) -> dict:
-    """Part 1: each prompt four ways, through the router and on one worker."""
+def same_texts(plain: str, router: str, decoders: list[str], batch: list[str]) -> dict:
+    """Part 1: each prompt four ways, through the router and on one worker: for
+    each way, whether the texts agree, and the prompt tokens the decode workers
+    loaded from the store during it."""
     cases = {"whole, greedy": (False, None), "streamed, greedy": (True, None)}
     cases |= {"whole, seeded": (False, 7), "streamed, seeded": (True, 7)}
-    return {
-        how: [text(router, p, *c) for p in batch] == [text(plain, p, *c) for p in batch]
-        for how, c in cases.items()
-    }
+    ways = {}
+    for how, c in cases.items():
+        before = handed_on(decoders)
+        same = [text(router, p, *c) for p in batch] == [text(plain, p, *c) for p in batch]
+        ways[how] = (same, handed_on(decoders) - before)
+    return ways
+
+
+def handed_on(decoders: list[str]) -> int:
+    return sum(counter(d, "deepinfer:kv_store_handoff_tokens_total") for d in decoders)
 
 
 def store_hit(first: str, second: str) -> int:
@@ -110,10 +118,8 @@ def main() -> dict:
             launched("serve", MODEL, *decoding) as other,
             launched("router", "--prefill", pre, "--decode", victim, "--decode", other) as router,
         ):
-            same = same_texts(plain, router, batch)
-            handed = sum(
-                counter(d, "deepinfer:kv_store_handoff_tokens_total") for d in (victim, other)
-            )
+            ways = same_texts(plain, router, [victim, other], batch)
+            handed = handed_on([victim, other])
             failed = sum(
                 counter(d, "deepinfer:kv_store_failed_blocks_total") for d in (victim, other)
             )
@@ -121,18 +127,22 @@ def main() -> dict:
             whole = kill_mid_stream(plain, router, victim, proc.pid, batch)
             resumed = counter(router, "deepinfer_router:pd_resumed_total")
     print(f"Through the router: {len(batch)} prompts, four ways:")
-    for how, ok in same.items():
-        print(f"   {how:<17} same text as one worker: {ok}")
-    print(f"   prompt tokens loaded from the store: {handed}")
+    print(f"   {'way':<17} {'same text':<10} tokens loaded")
+    for how, (ok, loaded) in ways.items():
+        print(f"   {how:<17} {ok!s:<10} {loaded}")
     print(f"   blocks that failed their check: {failed}")
     print(f"A prefix on the other worker: {hit} tokens loaded")
     print(f"A worker killed under {len(whole)} streams:")
     print(f"   each ended with one worker's text: {all(whole)}")
+    print(f"   the router resumed some: {resumed > 0}")
     print(f"(this run resumed {resumed} streams)", file=sys.stderr)
+    loads = [loaded for _, loaded in ways.values()]
     return {
         "prompts": len(batch),
-        "all_same": all(same.values()),
+        "all_same": all(ok for ok, _ in ways.values()),
         "handoff_tokens": handed,
+        "first_way_tokens": loads[0],
+        "later_ways_tokens": sum(loads[1:]),
         "failed_blocks": failed,
         "second_tier_hit_tokens": hit,
         "streams_killed": len(whole),

@@ -25,12 +25,14 @@ def log_grid(low: float, high: float) -> list[float]:
     return [low * (high / low) ** (i / (POINTS - 1)) for i in range(POINTS)]
 
 
-def longer_than(values_ms: list[float], grid: list[float]) -> list[float]:
-    """For each x of the grid, the share of values above it (None where zero,
-    which a log axis cannot draw)."""
+def longer_than(values_ms: list[float], grid: list[float], floor: float) -> list[float]:
+    """For each x of the grid, the share of values above it. A log axis cannot
+    draw zero: the first x past the largest value drops to the axis' floor, so
+    that a curve visibly ends there, and the rest is None."""
     ranked, n = sorted(values_ms), len(values_ms)
     shares = [(n - bisect.bisect_right(ranked, x)) / n for x in grid]
-    return [s if s > 0 else None for s in shares]
+    ended = [s == 0 and (i == 0 or shares[i - 1] > 0) for i, s in enumerate(shares)]
+    return [s if s > 0 else (floor if end else None) for s, end in zip(shares, ended)]
 
 
 def panel(
@@ -38,7 +40,7 @@ def panel(
 ) -> None:
     grid = log_grid(*span)
     for (arm, lat), colour in zip(stats.items(), ("C0", "C1", "C2")):
-        shares = longer_than([1e3 * v for v in lat[key]], grid)
+        shares = longer_than([1e3 * v for v in lat[key]], grid, floor)
         ax.plot(grid, shares, color=colour, ls=STYLES[arm], lw=1.6, label=arm)
     ax.axvline(slo_ms, color="black", lw=0.8, ls="-.")
     ax.text(slo_ms / 1.08, tag_y, "SLO", ha="right", va="center")  # left of its line
