@@ -171,12 +171,18 @@ def test_a_decode_worker_killed_mid_stream_loses_no_stream(cluster) -> None:
     assert metric(router.url, "deepinfer_router:pd_resumed_total") >= 1
 
 
-def test_a_router_refuses_workers_of_another_key_space(tmp_path) -> None:
-    """A decode worker with another block size files blocks under another root."""
+@pytest.mark.parametrize(
+    "decode_worker",
+    [(str(TINY), "--block-size", "8"), (str(TINY.parent / "deepinfer-tiny-moe"),)],
+    ids=["another-block-size", "another-model"],
+)
+def test_a_router_refuses_workers_of_another_key_space(tmp_path, decode_worker) -> None:
+    """A decode worker with another block size, or another model, files blocks under
+    another root: the router will not pair it with the prefill worker."""
     store = ("--kv-store", str(tmp_path))
     with running(
         ("serve", str(TINY), *WORKER_ARGS, *store, "--role", "prefill"),
-        ("serve", str(TINY), *WORKER_ARGS, *store, "--role", "decode", "--block-size", "8"),
+        ("serve", *decode_worker, *WORKER_ARGS, *store, "--role", "decode"),
     ) as (prefill, decode):
         router = spawn("router", "--prefill", prefill.url, "--decode", decode.url)
         try:
