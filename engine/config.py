@@ -112,6 +112,7 @@ class EngineConfig:
         self._check_kv_cache_dtype()
         self._check_kv_window()
         self._check_kv_store()
+        self._check_deepseek_v4()
 
     def _check_kv_cache_dtype(self) -> None:
         """What a quantized KV cache cannot run on yet."""
@@ -214,6 +215,22 @@ class EngineConfig:
             raise ValueError("kv_store needs async_scheduling=False: loads land between steps")
         if not self.enable_prefix_caching:
             raise ValueError("kv_store needs prefix caching: blocks are filed by its hash chains")
+
+    def _check_deepseek_v4(self) -> None:
+        """What DeepSeek-V4's first version does not run: its layers read every
+        block of a request's table by position (engine/kv/compressed_cache.py)."""
+        if self.hf_config.v4 is None:
+            return
+        for name, unsupported in (
+            ("kv_window", self.kv_window is not None),
+            ("speculative_config", self.speculative_config is not None),
+            ("expert_parallel_size > 1", self.expert_parallel_size > 1),
+        ):
+            if unsupported:
+                raise ValueError(
+                    f"{name} is not supported on DeepSeek-V4 yet: V4 keeps its own sliding "
+                    "window and compressor state in the paged cache, read by position"
+                )
 
     def _check_kv_window(self) -> None:
         """A window of at least one block, sinks of none or more, and no MTP drafts."""
