@@ -55,7 +55,11 @@ class LLMEngine:
         self.max_model_len = cache.max_model_len
         root = chain_root(config.model_identity, config.kv_format, cache.block_size)
         self.block_manager = BlockManager(
-            cache.num_blocks, cache.block_size, config.enable_prefix_caching, root
+            cache.num_blocks,
+            cache.block_size,
+            config.enable_prefix_caching,
+            root,
+            row_group=config.kv_row_group,
         )
         scheduler = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler(

@@ -17,13 +17,22 @@ and a layer with a compressor (CSA, HCA) also:
 and a CSA layer, for its lightning indexer, the same two at index_head_dim:
 ``index_state`` and ``index_keys``.
 
-This is a first version, and a plain one: everything is kept at the token rate,
-so a block holds all that its tokens' rows and states need and nothing else.
-That makes chunked prefill, preemption (recompute) and prefix-cache hits exact
-with no extra bookkeeping (a block's contents depend only on the tokens up to
-it), but it does not yet save the memory V4's compression is for: the raw rows
-are not freed outside the window, and the compressed rows are not paged at 1/m
-of the token rate in blocks of their own.
+Blocks go in groups of ``row_group`` (the smallest compression rate, G): the
+first block of each group holds the compressed rows of every window whose last
+token lies in the group (row_slots), and is kept for the request's life. The
+other blocks hold only raw rows and states, which nothing reads once they are
+older than V4Config.window_tokens(): the scheduler's window gives them back as
+the request runs (BlockManager.free_outside_window), so the blocks a request
+holds grow at 1/G of the token rate. A group head is written until its group is
+full, so the prefix cache hits only whole groups (BlockManager.match_prefix);
+everything else in a block depends only on the tokens up to it, which makes
+chunked prefill with boundaries inside windows, preemption (recompute) and
+prefix hits exact.
+
+Simplifications of this version: every block has room for every part (a group
+head's raw rows and states, and the rows part of the other blocks, go unused),
+and rows of all rates share the group of the smallest one, so an HCA layer's
+few rows do not get blocks of their own at 1/128 of the token rate.
 """
 
 from __future__ import annotations
@@ -90,6 +99,18 @@ def slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -
     """The cache slots of one sequence's ``positions``, through its block table."""
     blocks = block_table.long()[positions // block_size]
     return blocks * block_size + positions % block_size
+
+
+def row_slots(
+    block_table: torch.Tensor, rows: torch.Tensor, rate: int, group: int, block_size: int
+) -> torch.Tensor:
+    """The cache slots of compressed rows ``rows`` [n] of one sequence at ``rate``:
+    row w closes at token w*rate + rate-1, in group g of ``group`` blocks; it sits
+    in slot w % block_size of the group's first block (a group of G blocks closes
+    at most block_size rows at any rate >= G, consecutive ones, so no two meet)."""
+    last = rows * rate + rate - 1
+    heads = block_table.long()[last // (group * block_size) * group]
+    return heads * block_size + rows % block_size
 
 
 def write(cache: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:

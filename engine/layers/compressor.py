@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.compressed_cache import read, slots, write
+from engine.kv.compressed_cache import read, row_slots, slots, write
 from engine.layers.partial_rope import PartialRope
 from engine.layers.seq_spans import SeqSpan
 from engine.layers.v4_norm import Float32RMSNorm
@@ -33,9 +33,17 @@ class Compressor(nn.Module):
     attn.indexer.compressor for the indexer's own)."""
 
     def __init__(
-        self, hidden: int, dim: int, rate: int, overlap: bool, rope: PartialRope, eps: float
+        self,
+        hidden: int,
+        dim: int,
+        rate: int,
+        overlap: bool,
+        rope: PartialRope,
+        eps: float,
+        group: int,
     ) -> None:
         super().__init__()
+        self.group = group  # blocks per row group of the cache (compressed_cache.row_slots)
         width = (2 if overlap else 1) * dim
         self.dim, self.rate, self.overlap = dim, rate, overlap
         self.wkv = nn.Linear(hidden, width, bias=False)
@@ -58,7 +66,7 @@ class Compressor(nn.Module):
         rows: torch.Tensor,
     ) -> None:
         """Cache this step's tokens' projections, then write the row of every window
-        whose last token is among them, at that token's slot."""
+        whose last token is among them (compressed_cache.row_slots)."""
         write(state, meta.slot_mapping, torch.cat([self.wkv(x), self.wgate(x)], dim=-1))
         m, block_size = self.rate, state.shape[1]
         for span in spans:
@@ -69,9 +77,9 @@ class Compressor(nn.Module):
             first = lo - 1 if self.overlap and lo > 0 else lo
             where = torch.arange(first * m, hi * m, device=x.device)
             pooled = self.pool(read(state, slots(table, where, block_size)), lo - first)
-            closed = torch.arange(lo, hi, device=x.device) * m
-            rows_out = self.rope(self.norm(pooled), closed)
-            write(rows, slots(table, closed + m - 1, block_size), rows_out)
+            closed = torch.arange(lo, hi, device=x.device)
+            rows_out = self.rope(self.norm(pooled), closed * m)
+            write(rows, row_slots(table, closed, m, self.group, block_size), rows_out)
 
     def pool(self, states: torch.Tensor, skip: int) -> torch.Tensor:
         """states [windows * m, 2 * width] of consecutive whole windows -> the rows

@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from engine.attention.context import get_forward_context
-from engine.kv.compressed_cache import CompressedAttentionSpec, CompressedKV, read, slots, write
+from engine.kv.compressed_cache import (
+    CompressedAttentionSpec,
+    CompressedKV,
+    read,
+    row_slots,
+    slots,
+    write,
+)
 from engine.layers.compressor import Compressor
 from engine.layers.partial_rope import PartialRope
 from engine.layers.seq_spans import SeqSpan, seq_spans
@@ -69,7 +76,7 @@ class V4Attention(nn.Module):
         assert v4 is not None
         self.kind, self.rate = v4.layer_types[layer], v4.rate(layer)
         self.heads, self.dim, self.window = cfg.num_attention_heads, v4.head_dim, v4.sliding_window
-        self.groups, self.eps = v4.o_groups, eps
+        self.groups, self.eps, self.row_group = v4.o_groups, eps, v4.row_group()
         self.wq_a = nn.Linear(hidden, v4.q_lora_rank, bias=False)
         self.q_norm = Float32RMSNorm(v4.q_lora_rank, eps)
         self.wq_b = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
@@ -82,7 +89,9 @@ class V4Attention(nn.Module):
         compressed = self.kind != SLIDING
         self.rope = PartialRope(v4.rope_dim, v4.compress_rope if compressed else v4.main_rope)
         self.compressor = (
-            Compressor(hidden, self.dim, self.rate, self.kind == CSA, self.rope, eps)
+            Compressor(
+                hidden, self.dim, self.rate, self.kind == CSA, self.rope, eps, self.row_group
+            )
             if compressed
             else None
         )
@@ -96,6 +105,7 @@ class V4Attention(nn.Module):
                 self.rate,
                 self.rope,
                 eps,
+                self.row_group,
             )
             if self.kind == CSA
             else None
@@ -142,8 +152,9 @@ class V4Attention(nn.Module):
         if self.compressor is not None and span.end >= self.rate:
             assert cache.rows is not None
             num_rows = span.end // self.rate
-            ends = torch.arange(num_rows, device=device) * self.rate + self.rate - 1
-            keys = torch.cat([keys, read(cache.rows, slots(table, ends, block_size))])
+            rows = torch.arange(num_rows, device=device)
+            where = row_slots(table, rows, self.rate, self.row_group, block_size)
+            keys = torch.cat([keys, read(cache.rows, where)])
             rows_mask = (
                 visible_rows(q_pos, num_rows, self.rate)
                 if chosen is None

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.compressed_cache import CompressedKV, read, slots
+from engine.kv.compressed_cache import CompressedKV, read, row_slots
 from engine.layers.compressor import Compressor
 from engine.layers.partial_rope import PartialRope
 from engine.layers.seq_spans import SeqSpan
@@ -56,12 +56,13 @@ class V4Indexer(nn.Module):
         rate: int,
         rope: PartialRope,
         eps: float,
+        group: int,
     ) -> None:
         super().__init__()
         self.heads, self.dim, self.topk, self.rate = heads, dim, topk, rate
         self.wq_b = nn.Linear(q_lora_rank, heads * dim, bias=False)
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
-        self.compressor = Compressor(hidden, dim, rate, True, rope, eps)
+        self.compressor = Compressor(hidden, dim, rate, True, rope, eps, group)
         self.rope = rope
 
     def forward(
@@ -83,8 +84,9 @@ class V4Indexer(nn.Module):
         m, block_size = self.rate, cache.index_keys.shape[1]
         for span in spans:
             num_rows = span.end // m
-            ends = torch.arange(num_rows, device=x.device) * m + m - 1
-            keys = read(cache.index_keys, slots(meta.block_tables[span.seq], ends, block_size))
+            table, rows = meta.block_tables[span.seq], torch.arange(num_rows, device=x.device)
+            group = self.compressor.group
+            keys = read(cache.index_keys, row_slots(table, rows, m, group, block_size))
             scores = torch.relu(torch.matmul(q[span.rows].float(), keys.float().T)) * self.dim**-0.5
             scores = (scores * w[span.rows][..., None]).sum(dim=1)  # [n, rows]
             visible = visible_rows(span.positions(x.device), num_rows, m)

@@ -63,6 +63,7 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     supports_cuda_graphs = False  # experts sized on the host, attention per sequence
+    reads_block_holes = True  # its window keeps group heads among holes (compressed_cache.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

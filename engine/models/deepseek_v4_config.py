@@ -69,6 +69,21 @@ class V4Config:
     moe_intermediate_size: int
     routed_scaling_factor: float
 
+    def row_group(self) -> int:
+        """Blocks per group in the paged cache: the smallest compression rate, so a
+        group's rows at that rate (block_size of them) fill its first block."""
+        rates = [self.rate(i) for i in range(len(self.layer_types)) if self.rate(i)]
+        return min(rates, default=1)
+
+    def window_tokens(self) -> int:
+        """The last tokens whose blocks a request must keep: the attention window,
+        and the compressor's states of a window not yet closed (with CSA's overlap,
+        of the window before it too)."""
+        spans = [self.sliding_window]
+        for kind in set(self.layer_types) - {SLIDING}:
+            spans.append(self.compress_rates[kind] * (2 if kind == CSA else 1))
+        return max(spans)
+
     def rate(self, layer: int) -> int:
         """Tokens per compressed row in this layer; 0 for a sliding-window layer."""
         kind = self.layer_types[layer]

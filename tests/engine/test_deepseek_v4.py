@@ -152,7 +152,8 @@ REGIMES = {
     "block-64": {"block_size": 64},
     # 13-token chunks: their boundaries fall inside CSA's 4-token and HCA's windows
     "chunked-prefill": {"max_num_batched_tokens": 13, "block_size": 4},
-    "preemption": {"num_kv_blocks": 24, "block_size": 8},
+    # 14 blocks of 8: room for the longest prompt alone; its later chunks preempt
+    "preemption": {"num_kv_blocks": 14, "block_size": 8, "max_num_batched_tokens": 16},
     "prefix-hits": {"max_num_seqs": 1, "block_size": 4},
 }
 
@@ -163,6 +164,8 @@ def test_greedy_tokens_match_transformers(v4, reference, regime) -> None:
     for i, (out, ref) in enumerate(zip(tokens, reference)):
         assert out == ref, f"{v4[0]}, {regime}: prompt {i} differs"
     stats = llm.stats
+    if regime != "block-64":  # a 64-token block is never wholly behind these windows
+        assert stats.window_freed_blocks > 0, stats  # raw rows given back behind the window
     if regime == "chunked-prefill":
         assert stats.partial_prefills > 0, stats
     if regime == "preemption":
@@ -218,21 +221,22 @@ def test_sparsity_changes_the_output(v4, reference, tmp_path) -> None:
     assert sum(d != r for d, r in zip(dense, reference)) >= 1, (dense, reference)
 
 
-def test_prefix_hit_ends_inside_a_compression_window(v4) -> None:
-    """A second prompt that shares 46 tokens with the first hits 44 of them (11
-    blocks of 4): inside an HCA window (rates 16, 8 and 12 do not divide 44 + 4k
-    boundaries alike), so the rows of the windows it closes read the compressor's
-    states from the cached blocks. Each prompt runs on an engine of its own cache."""
+def test_prefix_hits_are_whole_row_groups(v4) -> None:
+    """A second prompt shares 46 tokens with the first. The first block of every
+    group of 4 blocks (CSA's rate) holds the group's compressed rows, written until
+    the group is full, so the prefix cache hits whole groups only: 32 of the 44
+    tokens in whole blocks of 4. The hit ends inside a window of the HCA layer at
+    rate 12, whose rows then close from compressor states read from cached blocks.
+    Each prompt runs alone on one engine; the cache's hash namespace names the
+    grouping, so no other layout's blocks can match."""
     name, path, hf = v4
     first = PREFIX + [5, 6]
     second = PREFIX + [5, 6, 7, 8, 9]
     tokens, llm = generate(path, [first], block_size=4, max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     out = llm.generate([second], params, use_tqdm=False)[0].token_ids
-    hit = llm.stats.prefix_cache_hit_tokens
-    assert hit == 44, llm.stats
-    hca = CONFIGS[name]["compress_rates"][HCA]
-    assert hit % hca != 0
+    assert llm.stats.prefix_cache_hit_tokens == 32, llm.stats
+    assert llm.llm_engine.config.model_identity.endswith(":row-groups-of-4")
     assert [tokens[0], out] == [hf_greedy(hf, first, MAX_TOKENS), hf_greedy(hf, second, MAX_TOKENS)]
 
 
