@@ -11,28 +11,29 @@ and a layer with a compressor (CSA, HCA) also:
 - ``state``: the compressor's projections of the token, its kv and its gate
   (twice head_dim each under CSA's overlapping windows): what the compressor
   reads to close a window, maybe in a later step than the token's own;
-- ``rows``: the compressed row of window w, at the slot of the window's last
-  token (position w*m + m-1); the other slots of this tensor stay unused;
+- ``rows``: compressed rows, ROW_LANES * block_size of them per block;
 
 and a CSA layer, for its lightning indexer, the same two at index_head_dim:
 ``index_state`` and ``index_keys``.
 
-Blocks go in groups of ``row_group`` (the smallest compression rate, G): the
-first block of each group holds the compressed rows of every window whose last
-token lies in the group (row_slots), and is kept for the request's life. The
-other blocks hold only raw rows and states, which nothing reads once they are
-older than V4Config.window_tokens(): the scheduler's window gives them back as
-the request runs (BlockManager.free_outside_window), so the blocks a request
-holds grow at 1/G of the token rate. A group head is written until its group is
-full, so the prefix cache hits only whole groups (BlockManager.match_prefix);
-everything else in a block depends only on the tokens up to it, which makes
+Blocks go in groups of ``row_group`` = ROW_LANES * (the smallest compression
+rate): the first block of each group holds the compressed rows (and indexer
+keys) of every window whose last token lies in the group (row_slots), and is
+kept for the request's life. The other blocks hold only raw rows and states,
+which nothing reads once they are older than V4Config.window_tokens(): the
+scheduler's window gives them back as the request runs
+(BlockManager.free_outside_window), so the blocks a request holds grow at
+1/row_group of the token rate. A group head is written until its group is full,
+so the prefix cache hits only whole groups (BlockManager.match_prefix).
+Everything else in a block depends only on the tokens up to it, which makes
 chunked prefill with boundaries inside windows, preemption (recompute) and
 prefix hits exact.
 
 Simplifications of this version: every block has room for every part (a group
-head's raw rows and states, and the rows part of the other blocks, go unused),
-and rows of all rates share the group of the smallest one, so an HCA layer's
-few rows do not get blocks of their own at 1/128 of the token rate.
+head's raw rows and states, and the rows part of the other blocks, go unused
+once the window passes), and rows of all rates share the groups of the smallest
+one, so an HCA layer's few rows do not get blocks of their own at 1/128 of the
+token rate.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.quant import QuantFormat
+from engine.models.deepseek_v4_config import ROW_LANES
 
 
 @dataclass
@@ -71,22 +73,30 @@ class CompressedAttentionSpec:
     index_state_dim: int
     dtype: torch.dtype
 
-    def widths(self) -> list[int]:
-        compressed = [self.state_dim, self.head_dim] if self.state_dim else [0, 0]
-        indexed = [self.index_state_dim, self.index_head_dim] if self.index_state_dim else [0, 0]
-        return [self.head_dim, *compressed, *indexed]
+    def parts(self) -> list[tuple[int, int]]:
+        """(slots per token slot, width) of kv, state, rows, index_state, index_keys;
+        (0, 0) for a part the layer has not."""
+        none = (0, 0)
+        compressed = [(1, self.state_dim), (ROW_LANES, self.head_dim)]
+        indexed = [(1, self.index_state_dim), (ROW_LANES, self.index_head_dim)]
+        return [
+            (1, self.head_dim),
+            *(compressed if self.state_dim else [none, none]),
+            *(indexed if self.index_state_dim else [none, none]),
+        ]
 
     def block_bytes(self, block_size: int) -> int:
-        return block_size * sum(self.widths()) * self.dtype.itemsize
+        numbers = sum(lanes * width for lanes, width in self.parts())
+        return block_size * numbers * self.dtype.itemsize
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> CompressedKV:
-        def part(width: int) -> torch.Tensor | None:
+        def part(lanes: int, width: int) -> torch.Tensor | None:
             if not width:
                 return None
-            shape = (num_blocks, block_size, width)
+            shape = (num_blocks, lanes * block_size, width)
             return torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
 
-        return CompressedKV(*(part(w) for w in self.widths()))
+        return CompressedKV(*(part(*p) for p in self.parts()))
 
     def quantized(self, fmt: QuantFormat) -> CompressedAttentionSpec:
         raise ValueError(
@@ -102,15 +112,17 @@ def slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -
 
 
 def row_slots(
-    block_table: torch.Tensor, rows: torch.Tensor, rate: int, group: int, block_size: int
+    block_table: torch.Tensor, rows: torch.Tensor, rate: int, group: int, cache: torch.Tensor
 ) -> torch.Tensor:
-    """The cache slots of compressed rows ``rows`` [n] of one sequence at ``rate``:
-    row w closes at token w*rate + rate-1, in group g of ``group`` blocks; it sits
-    in slot w % block_size of the group's first block (a group of G blocks closes
-    at most block_size rows at any rate >= G, consecutive ones, so no two meet)."""
+    """Where compressed rows ``rows`` [n] of one sequence at ``rate`` sit in a
+    [blocks, rows per block, width] ``cache``: row w closes at token w*rate + rate-1,
+    in group g of ``group`` blocks, and sits in the group's first block at w modulo
+    the rows a block holds. A group closes at most that many rows at any rate at
+    least the smallest, consecutive ones, so no two meet."""
+    per_block, block_size = cache.shape[1], cache.shape[1] // ROW_LANES
     last = rows * rate + rate - 1
     heads = block_table.long()[last // (group * block_size) * group]
-    return heads * block_size + rows % block_size
+    return heads * per_block + rows % per_block
 
 
 def write(cache: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:

@@ -153,7 +153,7 @@ class V4Attention(nn.Module):
             assert cache.rows is not None
             num_rows = span.end // self.rate
             rows = torch.arange(num_rows, device=device)
-            where = row_slots(table, rows, self.rate, self.row_group, block_size)
+            where = row_slots(table, rows, self.rate, self.row_group, cache.rows)
             keys = torch.cat([keys, read(cache.rows, where)])
             rows_mask = (
                 visible_rows(q_pos, num_rows, self.rate)

@@ -81,12 +81,12 @@ class V4Indexer(nn.Module):
         q = self.rope(self.wq_b(q_latent).view(len(x), self.heads, self.dim), positions)
         w = self.weights_proj(x).float() * self.heads**-0.5
         out = torch.full((len(x), self.topk), -1, dtype=torch.int64, device=x.device)
-        m, block_size = self.rate, cache.index_keys.shape[1]
+        m = self.rate
         for span in spans:
             num_rows = span.end // m
             table, rows = meta.block_tables[span.seq], torch.arange(num_rows, device=x.device)
             group = self.compressor.group
-            keys = read(cache.index_keys, row_slots(table, rows, m, group, block_size))
+            keys = read(cache.index_keys, row_slots(table, rows, m, group, cache.index_keys))
             scores = torch.relu(torch.matmul(q[span.rows].float(), keys.float().T)) * self.dim**-0.5
             scores = (scores * w[span.rows][..., None]).sum(dim=1)  # [n, rows]
             visible = visible_rows(span.positions(x.device), num_rows, m)

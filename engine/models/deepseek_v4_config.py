@@ -22,6 +22,9 @@ HASH_MOE, TOPK_MOE = "hash_moe", "moe"
 RATE_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # DeepSeek's compress_ratios
 DEFAULT_RATES = {CSA: 4, HCA: 128}
 SCORING = ("sqrtsoftplus", "sigmoid")
+# Compressed rows per token slot of a group head (engine/kv/compressed_cache.py):
+# the more, the longer a group and the less of each kept block goes unused.
+ROW_LANES = 4
 
 # Fields the engine implements one value of; another would run wrongly.
 FIXED = {
@@ -70,10 +73,10 @@ class V4Config:
     routed_scaling_factor: float
 
     def row_group(self) -> int:
-        """Blocks per group in the paged cache: the smallest compression rate, so a
-        group's rows at that rate (block_size of them) fill its first block."""
+        """Blocks per group in the paged cache: ROW_LANES times the smallest
+        compression rate, so a group's rows at that rate fill its first block."""
         rates = [self.rate(i) for i in range(len(self.layer_types)) if self.rate(i)]
-        return min(rates, default=1)
+        return ROW_LANES * min(rates) if rates else 1
 
     def window_tokens(self) -> int:
         """The last tokens whose blocks a request must keep: the attention window,

@@ -24,13 +24,14 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.hyper_connection import sinkhorn
+from engine.sched.scheduler_output import HOLE
 from engine.utils import cdiv
 from tests.engine.conftest import EOS, VOCAB, build_tokenizer, hf_greedy, random_prompts
 from tests.engine.test_mtp import run
 
 MAX_TOKENS = 12
 EXPERTS, TOP_K = 8, 2
-PREFIX = random_prompts(1, seed=71, low=44, high=45)[0]  # shared: prefix-cache hits
+PREFIX = random_prompts(1, seed=71, low=68, high=69)[0]  # shared: prefix-cache hits
 PROMPTS = [PREFIX + p for p in random_prompts(2, seed=72, low=5, high=30)]
 PROMPTS += random_prompts(2, seed=73, low=40, high=90)
 
@@ -152,8 +153,9 @@ REGIMES = {
     "block-64": {"block_size": 64},
     # 13-token chunks: their boundaries fall inside CSA's 4-token and HCA's windows
     "chunked-prefill": {"max_num_batched_tokens": 13, "block_size": 4},
-    # 14 blocks of 8: room for the longest prompt alone; its later chunks preempt
-    "preemption": {"num_kv_blocks": 14, "block_size": 8, "max_num_batched_tokens": 16},
+    # 8 blocks of 16: the longest request fits alone, but four running at once,
+    # each with its window's blocks and a group head, do not
+    "preemption": {"num_kv_blocks": 8, "block_size": 16, "max_num_batched_tokens": 32},
     "prefix-hits": {"max_num_seqs": 1, "block_size": 4},
 }
 
@@ -222,21 +224,21 @@ def test_sparsity_changes_the_output(v4, reference, tmp_path) -> None:
 
 
 def test_prefix_hits_are_whole_row_groups(v4) -> None:
-    """A second prompt shares 46 tokens with the first. The first block of every
-    group of 4 blocks (CSA's rate) holds the group's compressed rows, written until
-    the group is full, so the prefix cache hits whole groups only: 32 of the 44
-    tokens in whole blocks of 4. The hit ends inside a window of the HCA layer at
-    rate 12, whose rows then close from compressor states read from cached blocks.
-    Each prompt runs alone on one engine; the cache's hash namespace names the
-    grouping, so no other layout's blocks can match."""
+    """A second prompt shares 70 tokens with the first. The first block of every
+    group of 16 blocks (ROW_LANES 4 times CSA's rate 4) holds the group's compressed
+    rows, written until the group is full, so the prefix cache hits whole groups
+    only: 64 of the 68 tokens in whole blocks of 4. The hit ends inside a window
+    of the HCA layer at rate 12, whose rows then close from compressor states read
+    from cached blocks. Each prompt runs alone on one engine; the cache's hash
+    namespace names the grouping, so no other layout's blocks can match."""
     name, path, hf = v4
     first = PREFIX + [5, 6]
     second = PREFIX + [5, 6, 7, 8, 9]
     tokens, llm = generate(path, [first], block_size=4, max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     out = llm.generate([second], params, use_tqdm=False)[0].token_ids
-    assert llm.stats.prefix_cache_hit_tokens == 32, llm.stats
-    assert llm.llm_engine.config.model_identity.endswith(":row-groups-of-4")
+    assert llm.stats.prefix_cache_hit_tokens == 64, llm.stats
+    assert llm.llm_engine.config.model_identity.endswith(":row-groups-of-16")
     assert [tokens[0], out] == [hf_greedy(hf, first, MAX_TOKENS), hf_greedy(hf, second, MAX_TOKENS)]
 
 
@@ -357,3 +359,41 @@ def test_unsupported_engine_option_is_named(v4, option, name) -> None:
         pytest.skip("one config is enough")
     with pytest.raises(ValueError, match=name):
         LLM(v4[1], dtype="float32", **option)
+
+
+def held_blocks_while_generating(llm: LLM, prompt: list[int], n: int) -> list[tuple[int, int]]:
+    """(tokens computed, blocks the request holds) after every step of one request."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    engine.add_request("long", prompt, params)
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            blocks = sum(1 for b in seq.block_table if b != HOLE)
+            held.append((seq.num_computed_tokens, blocks))
+    return held
+
+
+def test_blocks_grow_at_the_compressed_rate(tmp_path) -> None:
+    """Over a 400-token generation, the blocks a request holds grow by one per
+    row group (16 blocks of 4 here: ROW_LANES times CSA's rate), not one per block
+    of tokens; bytes per token from the pool, beside a dense MLA cache of the same
+    width (one head_dim row per token and layer, every token kept)."""
+    build(tmp_path, "three-types")
+    llm = LLM(tmp_path, dtype="float32", block_size=4, num_kv_blocks=160)
+    held = held_blocks_while_generating(llm, PROMPTS[3][:40], 400)
+    (t0, b0), (t1, b1) = held[len(held) // 4], held[-1]
+    group = llm.llm_engine.config.kv_row_group
+    tokens_rate, compressed_rate = (t1 - t0) / 4, (t1 - t0) / (4 * group)
+    assert abs((b1 - b0) - compressed_rate) <= 2, (b0, b1, compressed_rate, tokens_rate)
+    pool = llm.llm_engine.executor.model_runner.kv_cache
+    ours = b1 * pool.block_bytes() / t1
+    cfg = llm.llm_engine.config.hf_config
+    dense_mla = cfg.num_hidden_layers * cfg.head_dim * 4  # float32
+    print(
+        f"\n{t1} tokens: {b1} blocks held ({t1 // 4} at the token rate); "
+        f"{ours:.0f} bytes/token from the pool, {pool.block_bytes() / (4 * group):.0f} in the "
+        f"limit; dense MLA of the same width {dense_mla} bytes/token"
+    )
+    assert ours < dense_mla
