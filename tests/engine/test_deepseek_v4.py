@@ -157,6 +157,7 @@ REGIMES = {
     # each with its window's blocks and a group head, do not
     "preemption": {"num_kv_blocks": 8, "block_size": 16, "max_num_batched_tokens": 32},
     "prefix-hits": {"max_num_seqs": 1, "block_size": 4},
+    "async-chunked": {"async_scheduling": True, "max_num_batched_tokens": 13, "block_size": 4},
 }
 
 
@@ -168,7 +169,7 @@ def test_greedy_tokens_match_transformers(v4, reference, regime) -> None:
     stats = llm.stats
     if regime != "block-64":  # a 64-token block is never wholly behind these windows
         assert stats.window_freed_blocks > 0, stats  # raw rows given back behind the window
-    if regime == "chunked-prefill":
+    if regime in ("chunked-prefill", "async-chunked"):
         assert stats.partial_prefills > 0, stats
     if regime == "preemption":
         assert stats.preemptions > 0, stats
@@ -352,7 +353,14 @@ def test_unsupported_variant_is_named_at_load(tmp_path, field, value, message) -
 
 @pytest.mark.parametrize(
     ("option", "name"),
-    [({"kv_window": (0, 16)}, "kv_window"), ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype")],
+    [
+        ({"kv_window": (0, 16)}, "kv_window is not supported on DeepSeek-V4"),
+        ({"kv_store": "/nonexistent/store"}, "kv_store is not supported on DeepSeek-V4"),
+        (
+            {"kv_cache_dtype": "fp8_e4m3"},
+            "kv_cache_dtype='fp8_e4m3' is not supported on DeepSeek-V4",
+        ),
+    ],
 )
 def test_unsupported_engine_option_is_named(v4, option, name) -> None:
     if v4[0] != "three-types":
@@ -397,3 +405,34 @@ def test_blocks_grow_at_the_compressed_rate(tmp_path) -> None:
         f"limit; dense MLA of the same width {dense_mla} bytes/token"
     )
     assert ours < dense_mla
+
+
+def test_legacy_config_fields_read_as_transformers_reads_them(tmp_path) -> None:
+    """DeepSeek's own config spellings (compress_ratios, num_hash_layers,
+    qk_rope_head_dim, a flat YaRN rope_scaling) give the layout transformers
+    derives from them."""
+    from engine.models.deepseek_v4_config import parse_v4
+
+    legacy = dict(
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=32,
+        compress_ratios=[0, 4, 128, 4],
+        num_hash_layers=2,
+        qk_rope_head_dim=8,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        compress_rope_theta=50000.0,
+        rope_theta=10000.0,
+    )
+    import transformers
+
+    ours = parse_v4(legacy)
+    theirs = transformers.DeepseekV4Config(**legacy)
+    assert list(ours.layer_types) == theirs.layer_types
+    assert list(ours.mlp_layer_types) == theirs.mlp_layer_types
+    assert ours.rope_dim == theirs.qk_rope_head_dim == 8
+    compress = theirs.rope_parameters["compress"]
+    assert ours.compress_rope.theta == compress["rope_theta"] == 50000.0
+    assert ours.compress_rope.yarn is not None and ours.compress_rope.yarn["factor"] == 4.0
+    assert ours.compress_rope.yarn["attention_factor"] == compress["attention_factor"] == 1.0
+    assert ours.main_rope.theta == theirs.rope_parameters["main"]["rope_theta"]
