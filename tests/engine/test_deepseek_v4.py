@@ -436,3 +436,26 @@ def test_legacy_config_fields_read_as_transformers_reads_them(tmp_path) -> None:
     assert ours.compress_rope.yarn is not None and ours.compress_rope.yarn["factor"] == 4.0
     assert ours.compress_rope.yarn["attention_factor"] == compress["attention_factor"] == 1.0
     assert ours.main_rope.theta == theirs.rope_parameters["main"]["rope_theta"]
+
+
+def test_bfloat16_matches_transformers(v4) -> None:
+    """In bfloat16, with transformers keeping its float32 parts (norms, sinks, the
+    compressors' biases, mHC) as the engine does: the same greedy tokens under
+    chunked prefill, and the last prompt position's logits within 2e-2."""
+    import transformers
+
+    name, path, _ = v4
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = PROMPTS[2:]
+    llm = LLM(path, dtype="bfloat16", block_size=8, max_num_batched_tokens=13)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    assert llm.stats.partial_prefills > 0
+    runner, ids = llm.llm_engine.executor.model_runner, torch.tensor(PROMPTS[3])
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0, -1].float()
+    meta = one_sequence(len(ids), len(ids), block_size=8)
+    hidden = run(runner, meta, lambda: runner.model(ids, torch.arange(len(ids))))
+    got = runner.model.compute_logits(hidden)[-1].float()
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
