@@ -11,7 +11,8 @@ and a layer with a compressor (CSA, HCA) also:
 - ``state``: the compressor's projections of the token, its kv and its gate
   (twice head_dim each under CSA's overlapping windows): what the compressor
   reads to close a window, maybe in a later step than the token's own;
-- ``rows``: compressed rows, ROW_LANES * block_size of them per block;
+- ``rows``: compressed rows, as many per block as a group of blocks closes at
+  this layer's rate (ROW_LANES * block_size at the smallest rate, fewer above);
 
 and a CSA layer, for its lightning indexer, the same two at index_head_dim:
 ``index_state`` and ``index_keys``.
@@ -32,8 +33,8 @@ prefix hits exact.
 Simplifications of this version: every block has room for every part (a group
 head's raw rows and states, and the rows part of the other blocks, go unused
 once the window passes), and rows of all rates share the groups of the smallest
-one, so an HCA layer's few rows do not get blocks of their own at 1/128 of the
-token rate.
+one: an HCA layer's few rows take little room in a group head, but do not get
+blocks of their own at 1/128 of the token rate.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.quant import QuantFormat
-from engine.models.deepseek_v4_config import ROW_LANES
+from engine.utils import cdiv
 
 
 @dataclass
@@ -65,38 +66,43 @@ class CompressedKV:
 @dataclass(frozen=True)
 class CompressedAttentionSpec:
     """Widths per token slot: ``state_dim`` 0 for a sliding-window layer,
-    ``index_state_dim`` 0 for any layer but CSA."""
+    ``index_state_dim`` 0 for any layer but CSA; ``rate`` the layer's compression
+    rate (0: none) and ``group`` the cache's blocks per row group."""
 
     head_dim: int
     state_dim: int
     index_head_dim: int
     index_state_dim: int
     dtype: torch.dtype
+    rate: int = 0
+    group: int = 1
 
-    def parts(self) -> list[tuple[int, int]]:
-        """(slots per token slot, width) of kv, state, rows, index_state, index_keys;
-        (0, 0) for a part the layer has not."""
+    def parts(self, block_size: int) -> list[tuple[int, int]]:
+        """(entries per block, width) of kv, state, rows, index_state, index_keys;
+        (0, 0) for a part the layer has not. A group closes at most
+        ceil(group * block_size / rate) rows: that many per block."""
         none = (0, 0)
-        compressed = [(1, self.state_dim), (ROW_LANES, self.head_dim)]
-        indexed = [(1, self.index_state_dim), (ROW_LANES, self.index_head_dim)]
+        rows = cdiv(self.group * block_size, self.rate) if self.rate else 0
+        compressed = [(block_size, self.state_dim), (rows, self.head_dim)]
+        indexed = [(block_size, self.index_state_dim), (rows, self.index_head_dim)]
         return [
-            (1, self.head_dim),
+            (block_size, self.head_dim),
             *(compressed if self.state_dim else [none, none]),
             *(indexed if self.index_state_dim else [none, none]),
         ]
 
     def block_bytes(self, block_size: int) -> int:
-        numbers = sum(lanes * width for lanes, width in self.parts())
-        return block_size * numbers * self.dtype.itemsize
+        numbers = sum(n * width for n, width in self.parts(block_size))
+        return numbers * self.dtype.itemsize
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> CompressedKV:
-        def part(lanes: int, width: int) -> torch.Tensor | None:
+        def part(entries: int, width: int) -> torch.Tensor | None:
             if not width:
                 return None
-            shape = (num_blocks, lanes * block_size, width)
+            shape = (num_blocks, entries, width)
             return torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
 
-        return CompressedKV(*(part(*p) for p in self.parts()))
+        return CompressedKV(*(part(*p) for p in self.parts(block_size)))
 
     def quantized(self, fmt: QuantFormat) -> CompressedAttentionSpec:
         raise ValueError(
@@ -112,14 +118,19 @@ def slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -
 
 
 def row_slots(
-    block_table: torch.Tensor, rows: torch.Tensor, rate: int, group: int, cache: torch.Tensor
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    rate: int,
+    group: int,
+    block_size: int,
+    cache: torch.Tensor,
 ) -> torch.Tensor:
     """Where compressed rows ``rows`` [n] of one sequence at ``rate`` sit in a
     [blocks, rows per block, width] ``cache``: row w closes at token w*rate + rate-1,
     in group g of ``group`` blocks, and sits in the group's first block at w modulo
-    the rows a block holds. A group closes at most that many rows at any rate at
-    least the smallest, consecutive ones, so no two meet."""
-    per_block, block_size = cache.shape[1], cache.shape[1] // ROW_LANES
+    the rows a block holds. A group closes at most that many rows, consecutive
+    ones, so no two meet."""
+    per_block = cache.shape[1]
     last = rows * rate + rate - 1
     heads = block_table.long()[last // (group * block_size) * group]
     return heads * per_block + rows % per_block

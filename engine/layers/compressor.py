@@ -79,7 +79,8 @@ class Compressor(nn.Module):
             pooled = self.pool(read(state, slots(table, where, block_size)), lo - first)
             closed = torch.arange(lo, hi, device=x.device)
             rows_out = self.rope(self.norm(pooled), closed * m)
-            write(rows, row_slots(table, closed, m, self.group, rows), rows_out)
+            at = row_slots(table, closed, m, self.group, block_size, rows)
+            write(rows, at, rows_out)
 
     def pool(self, states: torch.Tensor, skip: int) -> torch.Tensor:
         """states [windows * m, 2 * width] of consecutive whole windows -> the rows

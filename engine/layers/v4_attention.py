@@ -116,7 +116,9 @@ class V4Attention(nn.Module):
         state = self.compressor.state_dim if self.compressor is not None else 0
         index_state = self.indexer.compressor.state_dim if self.indexer is not None else 0
         index_dim = self.indexer.dim if self.indexer is not None else 0
-        return CompressedAttentionSpec(self.dim, state, index_dim, index_state, dtype)
+        return CompressedAttentionSpec(
+            self.dim, state, index_dim, index_state, dtype, self.rate, self.row_group
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         meta, cache = get_forward_context().meta, self.kv_cache
@@ -153,7 +155,7 @@ class V4Attention(nn.Module):
             assert cache.rows is not None
             num_rows = span.end // self.rate
             rows = torch.arange(num_rows, device=device)
-            where = row_slots(table, rows, self.rate, self.row_group, cache.rows)
+            where = row_slots(table, rows, self.rate, self.row_group, block_size, cache.rows)
             keys = torch.cat([keys, read(cache.rows, where)])
             rows_mask = (
                 visible_rows(q_pos, num_rows, self.rate)

@@ -86,7 +86,8 @@ class V4Indexer(nn.Module):
             num_rows = span.end // m
             table, rows = meta.block_tables[span.seq], torch.arange(num_rows, device=x.device)
             group = self.compressor.group
-            keys = read(cache.index_keys, row_slots(table, rows, m, group, cache.index_keys))
+            where = row_slots(table, rows, m, group, cache.kv.shape[1], cache.index_keys)
+            keys = read(cache.index_keys, where)
             scores = torch.relu(torch.matmul(q[span.rows].float(), keys.float().T)) * self.dim**-0.5
             scores = (scores * w[span.rows][..., None]).sum(dim=1)  # [n, rows]
             visible = visible_rows(span.positions(x.device), num_rows, m)
