@@ -459,3 +459,31 @@ def test_bfloat16_matches_transformers(v4) -> None:
     hidden = run(runner, meta, lambda: runner.model(ids, torch.arange(len(ids))))
     got = runner.model.compute_logits(hidden)[-1].float()
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
+
+
+def test_deepseek_native_names_and_mtp_tensors_load(v4, reference, tmp_path) -> None:
+    """The checkpoint under DeepSeek's release names (no ``model.`` prefix, embed,
+    hc_head_fn) and with MTP tensors (mtp.*, not served) gives the same tokens;
+    a checkpoint missing a tensor is refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    name, path, _ = v4
+    if name != "three-types":
+        pytest.skip("one config is enough")
+    weights = load_file(path / "model.safetensors")
+    native = {}
+    for key, tensor in weights.items():
+        key = key.removeprefix("model.").replace("embed_tokens.", "embed.")
+        native[key.replace("hc_head.hc_", "hc_head_")] = tensor
+    native["mtp.0.enorm.weight"] = torch.ones(64)
+    folder = tmp_path / "native"
+    shutil.copytree(path, folder)
+    save_file(native, folder / "model.safetensors")
+    tokens, _ = generate(folder, PROMPTS[:2], block_size=8)
+    assert tokens == reference[:2]
+    del native["layers.1.attn.indexer.compressor.ape"]
+    save_file(native, folder / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"lacks weights for: layers\.1\.attn\.indexer\.compressor\.ape"
+    ):
+        LLM(folder, dtype="float32")
