@@ -17,8 +17,8 @@ and a layer with a compressor (CSA, HCA) also:
 and a CSA layer, for its lightning indexer, the same two at index_head_dim:
 ``index_state`` and ``index_keys``.
 
-Blocks go in groups of ``row_group`` = ROW_LANES * (the smallest compression
-rate): the first block of each group holds the compressed rows (and indexer
+Blocks go in groups of ``row_group`` = ROW_LANES (deepseek_v4_config.py) times the
+smallest compression rate: the first block of each group holds the compressed rows (and indexer
 keys) of every window whose last token lies in the group (row_slots), and is
 kept for the request's life. The other blocks hold only raw rows and states,
 which nothing reads once they are older than V4Config.window_tokens(): the
