@@ -6,10 +6,7 @@ which physical block holds which logical block of which sequence.
 
 With a sliding window (EngineConfig.kv_window), a running sequence also gives
 back blocks from the middle of its table (free_outside_window), which leaves a
-HOLE there; the blocks around it stay where they were. A cache laid out in
-groups of ``row_group`` blocks (DeepSeek-V4: the first block of each group also
-holds the compressed rows of the whole group's tokens) keeps every group's first
-block, and the prefix cache hits only whole groups.
+HOLE there; the blocks around it stay where they were.
 """
 
 from __future__ import annotations
@@ -37,12 +34,8 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         root: bytes | None = None,
-        row_group: int = 1,
     ) -> None:
         self.block_size = block_size
-        # Blocks per group; a group's first block is written until the group is
-        # full, so it is never given back by a window nor hit alone. 1: no groups.
-        self.row_group = row_group
         self.enable_prefix_caching = enable_prefix_caching
         # Where every hash chain starts: the cache's model, KV format and block size.
         self.root = root if root is not None else chain_root("", "", block_size)
@@ -78,7 +71,7 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break  # a miss, or a hash collision caught by comparing tokens
             hits.append(block_id)
-        return hits[: len(hits) - len(hits) % self.row_group]
+        return hits
 
     def can_admit(self, hits: list[int], num_tokens: int) -> bool:
         """Would taking these cached blocks plus fresh ones cover ``num_tokens``?"""
@@ -179,9 +172,8 @@ class BlockManager:
         that lies wholly after its first ``sinks`` tokens and wholly before the
         last ``window`` of its computed ones; returns how many. Each leaves a HOLE,
         so that position p still maps to entry p // block_size. The blocks given
-        back form one run after the sinks' blocks (but for each row group's first
-        block, which is kept), which only grows: walk it back from its new end to
-        the first hole. The first time, the tokens computed so
+        back form one run after the sinks' blocks, which only grows: walk it back
+        from its new end to the first hole. The first time, the tokens computed so
         far are the last whose blocks the prefix cache may get (cache_full_blocks):
         those computed from now on attend to a windowed context."""
         bs, table = self.block_size, seq.block_table
@@ -189,8 +181,6 @@ class BlockManager:
         end = min((seq.num_computed_tokens - window) // bs, len(table))
         dropped = 0
         for i in range(end - 1, first - 1, -1):
-            if i % self.row_group == 0 and self.row_group > 1:
-                continue  # a group's first block: it holds the group's compressed rows
             if table[i] == HOLE:
                 break  # the run given back before
             self._release(table[i])

@@ -487,3 +487,27 @@ def test_deepseek_native_names_and_mtp_tensors_load(v4, reference, tmp_path) -> 
         ValueError, match=r"lacks weights for: layers\.1\.attn\.indexer\.compressor\.ape"
     ):
         LLM(folder, dtype="float32")
+
+
+def test_a_group_head_is_never_found_behind_another_groups_tokens(v4) -> None:
+    """A and B share 72 tokens (group 0 and two blocks of group 1), then differ; C
+    repeats B. Were blocks named by their own tokens, C would find A's group-1
+    head (its rows pooled from A's tokens) followed by B's blocks. Named by their
+    group's tokens, C hits B's two whole groups, and its tokens are transformers'."""
+    name, path, hf = v4
+    if name != "three-types":
+        pytest.skip("one config is enough")
+    g = torch.Generator().manual_seed(5)
+    shared, tail_a, tail_b = (
+        torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (72, 56, 56)
+    )
+    prompts = [shared + tail_a + [7], shared + tail_b + [7], shared + tail_b + [9, 10]]
+    llm = LLM(path, dtype="float32", block_size=4, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    outs, hits = [], []
+    for prompt in prompts:
+        before = llm.stats.prefix_cache_hit_tokens
+        outs.append(llm.generate([prompt], params, use_tqdm=False)[0].token_ids)
+        hits.append(llm.stats.prefix_cache_hit_tokens - before)
+    assert hits == [0, 64, 128]
+    assert outs == [hf_greedy(hf, p, 4) for p in prompts]
