@@ -1,15 +1,19 @@
 """DeepSeek-V4 against transformers: greedy tokens identical under every
-scheduling regime, logits within 1e-4, the hyper-connections' Sinkhorn matrices
-doubly stochastic, the lightning indexer's rows equal to transformers', and clear
-errors for variants the engine does not implement.
+scheduling regime (block sizes 4, 8 and 64, chunked prefill, preemption, prefix
+hits, async scheduling) and in bfloat16, logits within 1e-4, the
+hyper-connections' Sinkhorn matrices doubly stochastic, the lightning indexer's
+rows equal to transformers'; the paged cache growing at the compressed rate,
+prefix hits of whole row groups named by their tokens; and clear errors for
+variants and engine options the engine does not implement.
 
 Three tiny random configs, saved as transformers saves them (DeepSeek's own
 tensor names), cover every part: the three attention layer types, hash-routed
 and top-k MoE layers, hc_mult of 2, 3 and 4, YaRN on the compress RoPE, both
-scoring functions. The prompts (40 to 90 tokens) are longer than the window and
+scoring functions. The prompts (40 to 100 tokens) are longer than the window and
 than several HCA rows, and index_topk is below the compressed rows they make, so
-every branch runs: raw rows falling out of the window, compressed rows closing
-in prefill and in decode, the indexer keeping some rows and dropping others.
+every branch runs: raw rows falling out of the window (and their blocks given
+back), compressed rows closing in prefill and in decode, the indexer keeping
+some rows and dropping others.
 """
 
 from __future__ import annotations
