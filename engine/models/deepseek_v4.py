@@ -11,7 +11,6 @@ skipped: this engine does not serve V4's MTP yet, and transformers ignores them.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -25,6 +24,7 @@ from engine.layers.v4_norm import Float32RMSNorm
 from engine.models.base import CausalLM, check_complete, copy_checked
 from engine.models.config import ModelConfig
 from engine.models.deepseek_v4_config import HASH_MOE, V4Config
+from engine.models.deepseek_v4_names import target
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -100,64 +100,17 @@ class DeepseekV4ForCausalLM(CausalLM):
         raise ValueError("expert parallelism is not supported on DeepSeek-V4 yet")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy every tensor in by its DeepSeek name, and prove every parameter was filled."""
+        """Copy every tensor in by its DeepSeek name (deepseek_v4_names.py), and
+        prove every parameter was filled."""
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)
         for name, tensor in weights:
-            target = canonical_name(name)
-            if target is None:
+            where = target(name)
+            if where is None:
                 continue
-            dest = self._destination(params, target, name)
+            if where.param not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            dest = where.view(params[where.param].data)
             copy_checked(name, dest, tensor)
-            filled[target.split("#")[0]] += dest.numel()
+            filled[where.param] += dest.numel()
         check_complete(sorted(n for n, p in params.items() if filled[n] != p.numel()))
-
-    def _destination(self, params: dict[str, nn.Parameter], target: str, name: str) -> torch.Tensor:
-        """The part of our parameter a checkpoint tensor fills (``target`` from canonical_name)."""
-        key, _, part = target.partition("#")
-        if key not in params:
-            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-        data = params[key].data
-        if part.startswith("expert"):  # "expert<e>:<gate|up|down>": one expert's matrix
-            e, proj = part.removeprefix("expert").split(":")
-            data = data[int(e)]
-            part = proj
-        if part in ("gate", "up"):
-            rows = data.shape[0] // 2
-            return data.narrow(0, 0 if part == "gate" else rows, rows)
-        return data
-
-
-RENAMES = {
-    "embed_tokens.weight": "embed.weight",
-    "lm_head.weight": "head.weight",
-    "hc_head.hc_fn": "hc_head.fn",
-    "hc_head.hc_base": "hc_head.base",
-    "hc_head.hc_scale": "hc_head.scale",
-    "hc_head_fn": "hc_head.fn",
-    "hc_head_base": "hc_head.base",
-    "hc_head_scale": "hc_head.scale",
-}
-PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
-
-
-def canonical_name(name: str) -> str | None:
-    """Our parameter for a checkpoint tensor, as "param" or "param#part" (a half of
-    a fused gate_up_proj, or one expert's slice of a stacked one); None to skip."""
-    name = name.removeprefix("model.")
-    if name.startswith("mtp.") or "rotary_emb" in name:
-        return None
-    name = RENAMES.get(name, name)
-    name = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", name)
-    expert = re.search(r"\.experts\.(\d+)\.(w[123])\.weight$", name)
-    if expert:
-        proj = PROJ[expert[2]]
-        stacked = "down_proj" if proj == "down" else "gate_up_proj"
-        return f"{name[: expert.start()]}.experts.{stacked}#expert{expert[1]}:{proj}"
-    shared = re.search(r"\.shared_experts\.(w[123])\.weight$", name)
-    if shared:
-        proj = PROJ[shared[1]]
-        if proj == "down":
-            return f"{name[: shared.start()]}.shared_experts.down_proj.weight"
-        return f"{name[: shared.start()]}.shared_experts.gate_up_proj.weight#{proj}"
-    return name
