@@ -112,6 +112,7 @@ class EngineConfig:
         self._check_kv_cache_dtype()
         self._check_kv_window()
         self._check_kv_store()
+        self._check_deepseek_v4()
 
     def _check_kv_cache_dtype(self) -> None:
         """What a quantized KV cache cannot run on yet."""
@@ -156,8 +157,10 @@ class EngineConfig:
 
     @property
     def model_identity(self) -> str:
-        """The model, as the prefix cache's hash chains name it."""
-        return f"{self.hf_config.architecture}:{Path(self.model).resolve().name}"
+        """The model, as the prefix cache's hash chains name it: for DeepSeek-V4 with
+        its cache layout, hits of whole groups of kv_row_group blocks only."""
+        name = f"{self.hf_config.architecture}:{Path(self.model).resolve().name}"
+        return name if self.kv_row_group == 1 else f"{name}:row-groups-of-{self.kv_row_group}"
 
     def _check_expert_parallel(self) -> None:
         ep, moe = self.expert_parallel_size, self.hf_config.moe
@@ -214,6 +217,34 @@ class EngineConfig:
             raise ValueError("kv_store needs async_scheduling=False: loads land between steps")
         if not self.enable_prefix_caching:
             raise ValueError("kv_store needs prefix caching: blocks are filed by its hash chains")
+
+    def _check_deepseek_v4(self) -> None:
+        """DeepSeek-V4 runs under a window of its own: a request keeps the blocks of
+        its last V4Config.window_tokens() tokens and the first block of every group
+        of row_group blocks (which holds the group's compressed rows), and gives
+        back the rest (engine/kv/compressed_cache.py). What it cannot run yet."""
+        v4 = self.hf_config.v4
+        if v4 is None:
+            return
+        for name, unsupported in (
+            ("kv_window", self.kv_window is not None),
+            ("kv_store", self.kv_store is not None),
+            ("speculative_config", self.speculative_config is not None),
+            ("expert_parallel_size > 1", self.expert_parallel_size > 1),
+        ):
+            if unsupported:
+                raise ValueError(
+                    f"{name} is not supported on DeepSeek-V4 yet: V4 keeps its own sliding "
+                    "window and compressor state in the paged cache, read by position"
+                )
+        self.kv_window = (0, v4.window_tokens())
+
+    @property
+    def kv_row_group(self) -> int:
+        """Blocks per group of a cache whose groups' first blocks hold compressed
+        rows (DeepSeek-V4); 1 for every other model."""
+        v4 = self.hf_config.v4
+        return 1 if v4 is None else v4.row_group()
 
     def _check_kv_window(self) -> None:
         """A window of at least one block, sinks of none or more, and no MTP drafts."""

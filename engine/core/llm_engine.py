@@ -21,6 +21,7 @@ from engine.core.stats import EngineStats
 from engine.core.trace import StepTrace
 from engine.distributed.balancer import ExpertBalancer
 from engine.kv.block_manager import BlockManager
+from engine.kv.grouped_blocks import GroupedBlockManager
 from engine.kv.handoff import Handoff
 from engine.kv.hashing import chain_root
 from engine.kv.store_connector import StoreConnector, make_connector
@@ -54,8 +55,16 @@ class LLMEngine:
         cache = self.executor.kv_cache_config()
         self.max_model_len = cache.max_model_len
         root = chain_root(config.model_identity, config.kv_format, cache.block_size)
-        self.block_manager = BlockManager(
-            cache.num_blocks, cache.block_size, config.enable_prefix_caching, root
+        self.block_manager = (
+            BlockManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching, root)
+            if config.kv_row_group == 1
+            else GroupedBlockManager(
+                cache.num_blocks,
+                cache.block_size,
+                config.enable_prefix_caching,
+                root,
+                config.kv_row_group,
+            )
         )
         scheduler = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler(

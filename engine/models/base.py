@@ -20,6 +20,9 @@ class CausalLM(nn.Module):
     supports_compile: ClassVar[bool] = False  # its decode step can run through torch.compile
     supports_packed_linears: ClassVar[bool] = False  # nothing reads its linears' weights
     supports_cuda_graphs: ClassVar[bool] = True  # its decode step can be captured
+    # Its attention reads block tables by position, a window's holes (-1) left in,
+    # with each sequence's real length as its context (DeepSeek-V4).
+    reads_block_holes: ClassVar[bool] = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

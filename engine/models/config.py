@@ -9,6 +9,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.models.deepseek_v4_config import V4_ARCHITECTURE, V4Config, parse_v4
+
 logger = logging.getLogger(__name__)
 
 # Architectures the engine can run, by the name config.json gives them.
@@ -18,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM",
+    V4_ARCHITECTURE,
 )
 
 
@@ -82,6 +85,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     num_mtp_layers: int = 0  # multi-token prediction modules stored after the layers
     dsa: DSAConfig | None = None  # DeepSeek-V3.2 only
+    v4: V4Config | None = None  # DeepSeek-V4 only (engine/models/deepseek_v4_config.py)
 
     @classmethod
     def from_pretrained(cls, path: Path) -> ModelConfig:
@@ -92,6 +96,8 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} in {path / 'config.json'}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch == V4_ARCHITECTURE:
+            return cls._deepseek_v4(path, raw)
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; supported: silu")
         if raw.get("use_sliding_window"):
@@ -121,6 +127,30 @@ class ModelConfig:
             moe=_moe(raw) if deepseek else None,
             num_mtp_layers=_mtp_layers(path, raw) if deepseek and dsa is None else 0,
             dsa=dsa,
+        )
+
+    @classmethod
+    def _deepseek_v4(cls, path: Path, raw: dict) -> ModelConfig:
+        """The common fields from V4's config.json; the rest go to ``v4``."""
+        v4 = parse_v4(raw)
+        return cls(
+            architecture=V4_ARCHITECTURE,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=v4.moe_intermediate_size,
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=1,
+            head_dim=v4.head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=v4.main_rope.theta,
+            rope_scaling=None,
+            max_position_embeddings=raw.get("max_position_embeddings", 1048576),
+            tie_word_embeddings=False,
+            attention_bias=False,
+            qk_norm=False,
+            eos_token_ids=_eos_ids(path, raw),
+            v4=v4,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.models.base import CausalLM
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
@@ -16,6 +17,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

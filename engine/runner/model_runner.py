@@ -297,6 +297,8 @@ class ModelRunner:
         width = max(len(table) for table in tables)
         tables = [table + [-1] * (width - len(table)) for table in tables]
         # --8<-- [end:flatten_batch]
+        if self.model.reads_block_holes:  # by position, holes and all (DeepSeek-V4)
+            tables, context_lens = tables_with_holes(items)
         prompt = self._prompt_rows(items)
         if prompt is not None:  # logits for them too, after the sampled rows
             logits_indices += prompt.rows
@@ -540,6 +542,15 @@ class ModelRunner:
                 state.prompt_logprobs = PromptLogprobs.empty(ids, min(k, vocab), self.device)
                 self.pending_prompt_logprobs[new.req_id] = state.prompt_logprobs
             self.requests[new.req_id] = state
+
+
+def tables_with_holes(items: list[ScheduledRequest]) -> tuple[list[list[int]], list[int]]:
+    """Each sequence's whole block table, a window's holes (HOLE, -1) left where they
+    are and padded with -1, and its real length once the step is done."""
+    tables = [list(item.block_table) for item in items]
+    width = max(len(table) for table in tables)
+    ends = [item.num_computed_tokens + item.num_new_tokens for item in items]
+    return [table + [HOLE] * (width - len(table)) for table in tables], ends
 
 
 def kept_blocks(block_table: list[int], end: int, block_size: int) -> tuple[list[int], int]:

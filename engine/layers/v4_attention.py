@@ -1,0 +1,174 @@
+"""DeepSeek-V4's attention: one shared K = V head over a sliding window, and in
+CSA and HCA layers compressed rows beside it.
+
+Queries come through a low-rank latent (wq_a, q_norm, wq_b) and an unweighted
+RMS norm per head; the one KV head is wkv then a norm. Both turn on their last
+rope_dim numbers (engine/layers/partial_rope.py). Query t attends to
+
+- the raw rows of the last ``sliding_window`` tokens (t - window, t];
+- HCA: every compressed row closed by t (row s when s < (t + 1) // m);
+- CSA: the compressed rows the lightning indexer chose for t;
+
+with a learned per-head sink: one more logit in the softmax with no value, so a
+head may attend to nothing. The output's rope slice is turned back at t, and a
+grouped low-rank projection (wo_a per group of heads, then wo_b) maps it out.
+
+This first version attends one sequence at a time, in torch, on every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.context import get_forward_context
+from engine.kv.compressed_cache import (
+    CompressedAttentionSpec,
+    CompressedKV,
+    read,
+    row_slots,
+    slots,
+    write,
+)
+from engine.layers.compressor import Compressor
+from engine.layers.partial_rope import PartialRope
+from engine.layers.seq_spans import SeqSpan, seq_spans
+from engine.layers.v4_indexer import V4Indexer, visible_rows
+from engine.layers.v4_norm import Float32RMSNorm, unweighted_rms_norm
+from engine.models.config import ModelConfig
+from engine.models.deepseek_v4_config import CSA, SLIDING
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [n, heads, dim] over keys = values [context, dim] where ``mask`` [n, context]
+    allows, with one sink logit per head in the softmax -> [n, heads, dim]."""
+    logits = torch.matmul(q.transpose(0, 1), keys.T) * scale  # [heads, n, context]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.view(-1, 1, 1).expand(-1, len(q), 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = combined.softmax(dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys).transpose(0, 1)
+
+
+def window_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[n, context]: kv_pos in (q_pos - window, q_pos]."""
+    gap = q_pos[:, None] - kv_pos[None, :]
+    return (gap >= 0) & (gap < window)
+
+
+def chosen_mask(chosen: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[n, num_rows]: the rows in each query's ``chosen`` [n, k] (-1: none)."""
+    mask = torch.zeros(len(chosen), num_rows + 1, dtype=torch.bool, device=chosen.device)
+    mask.scatter_(1, torch.where(chosen >= 0, chosen, num_rows), True)
+    return mask[:, :num_rows]
+
+
+class V4Attention(nn.Module):
+    """Checkpoint names under layers.N.attn: wq_a, q_norm, wq_b, wkv, norm, wo_a,
+    wo_b, attn_sink, and compressor.* and indexer.* where the layer has them."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        v4, hidden, eps = cfg.v4, cfg.hidden_size, cfg.rms_norm_eps
+        assert v4 is not None
+        self.kind, self.rate = v4.layer_types[layer], v4.rate(layer)
+        self.heads, self.dim, self.window = cfg.num_attention_heads, v4.head_dim, v4.sliding_window
+        self.groups, self.eps, self.row_group = v4.o_groups, eps, v4.row_group()
+        self.wq_a = nn.Linear(hidden, v4.q_lora_rank, bias=False)
+        self.q_norm = Float32RMSNorm(v4.q_lora_rank, eps)
+        self.wq_b = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
+        self.wkv = nn.Linear(hidden, self.dim, bias=False)
+        self.norm = Float32RMSNorm(self.dim, eps)
+        group_width = self.heads * self.dim // self.groups
+        self.wo_a = nn.Linear(group_width, self.groups * v4.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.groups * v4.o_lora_rank, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(self.heads, dtype=torch.float32))
+        compressed = self.kind != SLIDING
+        self.rope = PartialRope(v4.rope_dim, v4.compress_rope if compressed else v4.main_rope)
+        self.compressor = (
+            Compressor(
+                hidden, self.dim, self.rate, self.kind == CSA, self.rope, eps, self.row_group
+            )
+            if compressed
+            else None
+        )
+        self.indexer = (
+            V4Indexer(
+                hidden,
+                v4.q_lora_rank,
+                v4.index_n_heads,
+                v4.index_head_dim,
+                v4.index_topk,
+                self.rate,
+                self.rope,
+                eps,
+                self.row_group,
+            )
+            if self.kind == CSA
+            else None
+        )
+        self.kv_cache: CompressedKV | None = None  # KVCachePool binds this layer's blocks
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> CompressedAttentionSpec:
+        state = self.compressor.state_dim if self.compressor is not None else 0
+        index_state = self.indexer.compressor.state_dim if self.indexer is not None else 0
+        index_dim = self.indexer.dim if self.indexer is not None else 0
+        return CompressedAttentionSpec(
+            self.dim, state, index_dim, index_state, dtype, self.rate, self.row_group
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        meta, cache = get_forward_context().meta, self.kv_cache
+        assert cache is not None, "the KV pool binds the cache before the first step"
+        spans = seq_spans(meta)
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).view(len(x), self.heads, self.dim)
+        q = self.rope(unweighted_rms_norm(q, self.eps), positions)
+        write(cache.kv, meta.slot_mapping, self.rope(self.norm(self.wkv(x)), positions))
+        chosen = None
+        if self.compressor is not None:
+            assert cache.state is not None and cache.rows is not None
+            self.compressor.update(x, meta, spans, cache.state, cache.rows)
+        if self.indexer is not None:
+            chosen = self.indexer(x, q_latent, positions, meta, spans, cache)
+        out = torch.empty_like(q)
+        for span in spans:
+            picks = None if chosen is None else chosen[span.rows]
+            out[span.rows] = self.attend(q[span.rows], span, meta.block_tables[span.seq], picks)
+        return self.project(self.rope(out, positions, inverse=True))
+
+    def attend(
+        self, q: torch.Tensor, span: SeqSpan, table: torch.Tensor, chosen: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One sequence's queries over its window's raw rows and its compressed rows."""
+        cache, device = self.kv_cache, q.device
+        assert cache is not None
+        block_size = cache.kv.shape[1]
+        q_pos = span.positions(device)
+        kv_pos = torch.arange(max(0, span.start - self.window + 1), span.end, device=device)
+        keys = read(cache.kv, slots(table, kv_pos, block_size))
+        mask = window_mask(q_pos, kv_pos, self.window)
+        if self.compressor is not None and span.end >= self.rate:
+            assert cache.rows is not None
+            num_rows = span.end // self.rate
+            rows = torch.arange(num_rows, device=device)
+            where = row_slots(table, rows, self.rate, self.row_group, block_size, cache.rows)
+            keys = torch.cat([keys, read(cache.rows, where)])
+            rows_mask = (
+                visible_rows(q_pos, num_rows, self.rate)
+                if chosen is None
+                else chosen_mask(chosen, num_rows)
+            )
+            mask = torch.cat([mask, rows_mask], dim=1)
+        return sink_attention(q, keys, mask, self.attn_sink, self.dim**-0.5)
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """The grouped low-rank output: each group of heads through its own slice of
+        wo_a, [tokens, groups * o_lora_rank], then wo_b."""
+        groups = out.reshape(len(out), self.groups, -1).transpose(0, 1)  # [groups, tokens, width]
+        w = self.wo_a.weight.view(self.groups, -1, groups.shape[-1]).transpose(1, 2)
+        mixed = torch.bmm(groups, w).transpose(0, 1).flatten(1)
+        return self.wo_b(mixed)

@@ -1,0 +1,95 @@
+"""DeepSeek-V4's lightning indexer: which compressed rows a CSA query attends to.
+
+V3.2's indexer scored every token; V4's scores the CSA layer's compressed rows,
+through keys of its own: a second compressor (engine/layers/compressor.py) at
+index_head_dim over the same overlapping windows, cached beside the layer's rows
+(``index_keys``). Query t scores row s as
+
+    I(t, s) = sum_h w(t, h) * relu(q(t, h) . k(s)) / sqrt(index_head_dim)
+
+with q from the query latent (wq_b), rotated at t with the compress RoPE, and
+w(t) = weights_proj(x_t) / sqrt(index_n_heads). Row s closes at token s*m + m-1,
+so query t may see rows s < (t + 1) // m; it keeps its index_topk best of those,
+as torch.topk orders them, and -1 past the ones it has.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+from engine.kv.compressed_cache import CompressedKV, read, row_slots
+from engine.layers.compressor import Compressor
+from engine.layers.partial_rope import PartialRope
+from engine.layers.seq_spans import SeqSpan
+
+
+def visible_rows(q_pos: torch.Tensor, num_rows: int, rate: int) -> torch.Tensor:
+    """[n, num_rows]: may the query at each position see each compressed row?"""
+    rows = torch.arange(num_rows, device=q_pos.device)
+    return rows[None, :] < (q_pos[:, None] + 1) // rate
+
+
+def top_rows(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Each query's best min(k, rows) visible rows [n, k], -1 where it has fewer."""
+    n, num_rows = scores.shape
+    out = torch.full((n, k), -1, dtype=torch.int64, device=scores.device)
+    if num_rows == 0:
+        return out
+    chosen = scores.masked_fill(~visible, float("-inf")).topk(min(k, num_rows), dim=-1).indices
+    ok = visible.gather(1, chosen)
+    out[:, : chosen.shape[1]] = chosen.masked_fill(~ok, -1)
+    return out
+
+
+class V4Indexer(nn.Module):
+    """Checkpoint names wq_b, weights_proj, compressor.* (under attn.indexer)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        q_lora_rank: int,
+        heads: int,
+        dim: int,
+        topk: int,
+        rate: int,
+        rope: PartialRope,
+        eps: float,
+        group: int,
+    ) -> None:
+        super().__init__()
+        self.heads, self.dim, self.topk, self.rate = heads, dim, topk, rate
+        self.wq_b = nn.Linear(q_lora_rank, heads * dim, bias=False)
+        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+        self.compressor = Compressor(hidden, dim, rate, True, rope, eps, group)
+        self.rope = rope
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        spans: list[SeqSpan],
+        cache: CompressedKV,
+    ) -> torch.Tensor:
+        """The rows [tokens, index_topk] each query keeps (after caching this step's
+        indexer states and closing its windows' keys)."""
+        assert cache.index_state is not None and cache.index_keys is not None
+        self.compressor.update(x, meta, spans, cache.index_state, cache.index_keys)
+        q = self.rope(self.wq_b(q_latent).view(len(x), self.heads, self.dim), positions)
+        w = self.weights_proj(x).float() * self.heads**-0.5
+        out = torch.full((len(x), self.topk), -1, dtype=torch.int64, device=x.device)
+        m = self.rate
+        for span in spans:
+            num_rows = span.end // m
+            table, rows = meta.block_tables[span.seq], torch.arange(num_rows, device=x.device)
+            group = self.compressor.group
+            where = row_slots(table, rows, m, group, cache.kv.shape[1], cache.index_keys)
+            keys = read(cache.index_keys, where)
+            scores = torch.relu(torch.matmul(q[span.rows].float(), keys.float().T)) * self.dim**-0.5
+            scores = (scores * w[span.rows][..., None]).sum(dim=1)  # [n, rows]
+            visible = visible_rows(span.positions(x.device), num_rows, m)
+            out[span.rows] = top_rows(scores, visible, self.topk)
+        return out

@@ -1,0 +1,116 @@
+"""DeepSeek-V4: shared-KV attention over a sliding window and compressed rows
+(engine/layers/v4_attention.py), hyper-connected residual streams
+(engine/layers/hyper_connection.py), and MoE in every layer, hash-routed or
+top-k (engine/layers/v4_moe.py).
+
+Weights are read by DeepSeek's own names (layers.N.attn.wq_a, .ffn.experts.E.w1,
+hc_head_fn, embed, head), with or without a leading ``model.``, which is what
+transformers' save_pretrained writes too. The MTP module's tensors (``mtp.``) are
+skipped: this engine does not serve V4's MTP yet, and transformers ignores them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.layers.hyper_connection import HyperConnection, HyperHead
+from engine.layers.moe import Experts
+from engine.layers.v4_attention import V4Attention
+from engine.layers.v4_moe import V4MoE, V4Router
+from engine.layers.v4_norm import Float32RMSNorm
+from engine.models.base import CausalLM, check_complete, copy_checked
+from engine.models.config import ModelConfig
+from engine.models.deepseek_v4_config import HASH_MOE, V4Config
+from engine.models.deepseek_v4_names import target
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    """attn and ffn, each between a collapse and an expansion of the streams."""
+
+    def __init__(self, cfg: ModelConfig, v4: V4Config, index: int) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.attn = V4Attention(cfg, index)
+        hashed = v4.mlp_layer_types[index] == HASH_MOE
+        gate = V4Router(
+            hidden,
+            v4.num_experts,
+            v4.top_k,
+            v4.scoring_func,
+            v4.routed_scaling_factor,
+            cfg.vocab_size if hashed else None,
+        )
+        self.ffn = V4MoE(hidden, v4.moe_intermediate_size, gate, v4.swiglu_limit)
+        self.attn_norm = Float32RMSNorm(hidden, eps)
+        self.ffn_norm = Float32RMSNorm(hidden, eps)
+        hc = (v4.hc_mult, hidden, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
+        self.hc_attn, self.hc_ffn = HyperConnection(*hc), HyperConnection(*hc)
+
+    def forward(
+        self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """streams [tokens, hc_mult, hidden] -> the same, after this layer."""
+        pre, post, comb = self.hc_attn.weights(streams)
+        out = self.attn(positions, self.attn_norm(self.hc_attn.collapse(streams, pre)))
+        streams = HyperConnection.expand(streams, out, post, comb)
+        pre, post, comb = self.hc_ffn.weights(streams)
+        out = self.ffn(self.ffn_norm(self.hc_ffn.collapse(streams, pre)), input_ids)
+        return HyperConnection.expand(streams, out, post, comb)
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    supports_cuda_graphs = False  # experts sized on the host, attention per sequence
+    reads_block_holes = True  # its window keeps group heads among holes (compressed_cache.py)
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        v4 = cfg.v4
+        if v4 is None:
+            raise ValueError("DeepseekV4ForCausalLM needs the config's DeepSeek-V4 fields")
+        self.config, self.v4 = cfg, v4
+        hidden = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, hidden)
+        self.layers = nn.ModuleList(
+            DeepseekV4DecoderLayer(cfg, v4, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.hc_head = HyperHead(v4.hc_mult, hidden, v4.hc_eps, cfg.rms_norm_eps)
+        self.norm = Float32RMSNorm(hidden, cfg.rms_norm_eps)
+        self.head = nn.Linear(hidden, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        streams = x[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(positions, streams, input_ids)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+    def attention_layers(self) -> list[V4Attention]:
+        return [layer.attn for layer in self.layers]
+
+    def experts(self) -> list[Experts]:
+        return [layer.ffn.experts for layer in self.layers]
+
+    def place_experts(self, local: list[list[int]]) -> None:
+        raise ValueError("expert parallelism is not supported on DeepSeek-V4 yet")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy every tensor in by its DeepSeek name (deepseek_v4_names.py), and
+        prove every parameter was filled."""
+        params = dict(self.named_parameters())
+        filled = dict.fromkeys(params, 0)
+        for name, tensor in weights:
+            where = target(name)
+            if where is None:
+                continue
+            if where.param not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            dest = where.view(params[where.param].data)
+            copy_checked(name, dest, tensor)
+            filled[where.param] += dest.numel()
+        check_complete(sorted(n for n, p in params.items() if filled[n] != p.numel()))

@@ -1,0 +1,66 @@
+"""Which parameter of the engine's DeepSeek-V4 a checkpoint tensor fills.
+
+The engine names V4's modules as DeepSeek's release does (layers.N.attn.wq_a,
+layers.N.ffn.experts.E.w1, embed, head, hc_head_fn), so most tensors map by
+name. transformers' save_pretrained writes the same names under ``model.``, with
+embed_tokens and hc_head.hc_* instead. Two kinds fill part of a parameter: each
+routed expert's w1 (gate), w3 (up) and w2 (down) one slot of the stacked
+experts, and the shared expert's w1 and w3 the two halves of its gate_up_proj.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import torch
+
+RENAMES = {
+    "embed_tokens.weight": "embed.weight",
+    "lm_head.weight": "head.weight",
+    "hc_head.hc_fn": "hc_head.fn",
+    "hc_head.hc_base": "hc_head.base",
+    "hc_head.hc_scale": "hc_head.scale",
+    "hc_head_fn": "hc_head.fn",
+    "hc_head_base": "hc_head.base",
+    "hc_head_scale": "hc_head.scale",
+}
+PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+class Target(NamedTuple):
+    param: str  # the engine's parameter name
+    expert: int | None = None  # a slot of a stacked experts parameter
+    half: str | None = None  # "gate" or "up": that half of a fused gate_up_proj
+
+    def view(self, data: torch.Tensor) -> torch.Tensor:
+        """The part of the parameter's data this tensor fills."""
+        if self.expert is not None:
+            data = data[self.expert]
+        if self.half is None:
+            return data
+        rows = data.shape[0] // 2
+        return data.narrow(0, 0 if self.half == "gate" else rows, rows)
+
+
+def target(name: str) -> Target | None:
+    """The engine's parameter (and part) for checkpoint tensor ``name``; None for a
+    tensor it does not load (the MTP module's, rotary caches)."""
+    name = name.removeprefix("model.")
+    if name.startswith("mtp.") or "rotary_emb" in name:
+        return None
+    name = RENAMES.get(name, name)
+    name = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", name)
+    expert = re.search(r"\.experts\.(\d+)\.(w[123])\.weight$", name)
+    if expert:
+        proj = PROJ[expert[2]]
+        stacked = "down_proj" if proj == "down" else "gate_up_proj"
+        half = None if proj == "down" else proj
+        return Target(f"{name[: expert.start()]}.experts.{stacked}", int(expert[1]), half)
+    shared = re.search(r"\.shared_experts\.(w[123])\.weight$", name)
+    if shared:
+        proj, prefix = PROJ[shared[1]], name[: shared.start()]
+        if proj == "down":
+            return Target(f"{prefix}.shared_experts.down_proj.weight")
+        return Target(f"{prefix}.shared_experts.gate_up_proj.weight", half=proj)
+    return Target(name)
