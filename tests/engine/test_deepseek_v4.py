@@ -134,10 +134,26 @@ def build(path: Path, name: str, **overrides) -> torch.nn.Module:
     return model
 
 
+def checkpoint_of(name: str, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp(f"deepseek-v4-{name}")
+    return name, path, build(path, name)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def v4(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp(f"deepseek-v4-{request.param}")
-    return request.param, path, build(path, request.param)
+    return checkpoint_of(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[n for n, c in CONFIGS.items() if CSA in c["layer_types"]])
+def v4_csa(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
+    """The configs with a CSA layer, whose indexer the tests below check."""
+    return checkpoint_of(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def three_types(tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
+    """One config, for the checks that need no more than one."""
+    return checkpoint_of("three-types", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -214,13 +230,12 @@ def test_logits_within_1e4_of_transformers(v4) -> None:
     assert expected.std() > 0.1  # logits that differ by token
 
 
-def test_sparsity_changes_the_output(v4, reference, tmp_path) -> None:
+def test_sparsity_changes_the_output(v4_csa, tmp_path) -> None:
     """The same weights with index_topk past every prompt's rows: other tokens.
     So the tests above pass only if the indexer drops the right rows."""
-    if CSA not in CONFIGS[v4[0]]["layer_types"]:
-        pytest.skip("no CSA layer")
+    reference = [hf_greedy(v4_csa[2], p, MAX_TOKENS) for p in PROMPTS]
     folder = tmp_path / "dense"
-    shutil.copytree(v4[1], folder)
+    shutil.copytree(v4_csa[1], folder)
     config = json.loads((folder / "config.json").read_text())
     config["index_topk"] = 64
     (folder / "config.json").write_text(json.dumps(config))
@@ -267,13 +282,11 @@ def hf_indexer_choices(hf: torch.nn.Module, ids: torch.Tensor) -> dict[int, torc
     return seen
 
 
-def test_indexer_keeps_the_rows_transformers_keeps(v4) -> None:
+def test_indexer_keeps_the_rows_transformers_keeps(v4_csa) -> None:
     """Over the same prompt, every CSA layer's indexer keeps, for every query, the
     same compressed rows as transformers' (as sets: topk's order among them is
     not what attention reads)."""
-    name, path, hf = v4
-    if CSA not in CONFIGS[name]["layer_types"]:
-        pytest.skip("no CSA layer")
+    _, path, hf = v4_csa
     ids = torch.tensor(PROMPTS[3])
     expected = hf_indexer_choices(hf, ids)
     llm = LLM(path, dtype="float32", block_size=16, num_kv_blocks=8)
@@ -366,11 +379,9 @@ def test_unsupported_variant_is_named_at_load(tmp_path, field, value, message) -
         ),
     ],
 )
-def test_unsupported_engine_option_is_named(v4, option, name) -> None:
-    if v4[0] != "three-types":
-        pytest.skip("one config is enough")
+def test_unsupported_engine_option_is_named(three_types, option, name) -> None:
     with pytest.raises(ValueError, match=name):
-        LLM(v4[1], dtype="float32", **option)
+        LLM(three_types[1], dtype="float32", **option)
 
 
 def held_blocks_while_generating(llm: LLM, prompt: list[int], n: int) -> list[tuple[int, int]]:
@@ -465,15 +476,13 @@ def test_bfloat16_matches_transformers(v4) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
 
 
-def test_deepseek_native_names_and_mtp_tensors_load(v4, reference, tmp_path) -> None:
+def test_deepseek_native_names_and_mtp_tensors_load(three_types, tmp_path) -> None:
     """The checkpoint under DeepSeek's release names (no ``model.`` prefix, embed,
     hc_head_fn) and with MTP tensors (mtp.*, not served) gives the same tokens;
     a checkpoint missing a tensor is refused, naming it."""
     from safetensors.torch import load_file, save_file
 
-    name, path, _ = v4
-    if name != "three-types":
-        pytest.skip("one config is enough")
+    _, path, hf = three_types
     weights = load_file(path / "model.safetensors")
     native = {}
     for key, tensor in weights.items():
@@ -484,7 +493,7 @@ def test_deepseek_native_names_and_mtp_tensors_load(v4, reference, tmp_path) -> 
     shutil.copytree(path, folder)
     save_file(native, folder / "model.safetensors")
     tokens, _ = generate(folder, PROMPTS[:2], block_size=8)
-    assert tokens == reference[:2]
+    assert tokens == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS[:2]]
     del native["layers.1.attn.indexer.compressor.ape"]
     save_file(native, folder / "model.safetensors")
     with pytest.raises(
@@ -493,14 +502,12 @@ def test_deepseek_native_names_and_mtp_tensors_load(v4, reference, tmp_path) -> 
         LLM(folder, dtype="float32")
 
 
-def test_a_group_head_is_never_found_behind_another_groups_tokens(v4) -> None:
+def test_a_group_head_is_never_found_behind_another_groups_tokens(three_types) -> None:
     """A and B share 72 tokens (group 0 and two blocks of group 1), then differ; C
     repeats B. Were blocks named by their own tokens, C would find A's group-1
     head (its rows pooled from A's tokens) followed by B's blocks. Named by their
     group's tokens, C hits B's two whole groups, and its tokens are transformers'."""
-    name, path, hf = v4
-    if name != "three-types":
-        pytest.skip("one config is enough")
+    _, path, hf = three_types
     g = torch.Generator().manual_seed(5)
     shared, tail_a, tail_b = (
         torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (72, 56, 56)
