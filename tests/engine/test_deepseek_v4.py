@@ -453,13 +453,14 @@ def test_legacy_config_fields_read_as_transformers_reads_them(tmp_path) -> None:
     assert ours.main_rope.theta == theirs.rope_parameters["main"]["rope_theta"]
 
 
-def test_bfloat16_matches_transformers(v4) -> None:
+def test_bfloat16_matches_transformers(three_types) -> None:
     """In bfloat16, with transformers keeping its float32 parts (norms, sinks, the
     compressors' biases, mHC) as the engine does: the same greedy tokens under
-    chunked prefill, and the last prompt position's logits within 2e-2."""
+    chunked prefill, and the last prompt position's logits within 2e-2. One
+    config, the one with all three layer types: the dtype's path is shared."""
     import transformers
 
-    name, path, _ = v4
+    name, path, _ = three_types
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     prompts = PROMPTS[2:]
     llm = LLM(path, dtype="bfloat16", block_size=8, max_num_batched_tokens=13)
