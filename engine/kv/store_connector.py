@@ -110,8 +110,7 @@ class StoreConnector:
         self.loads: dict[str, Load] = {}  # request id -> its load in flight
         # None: save in the step (a prefill worker); else the thread that saves
         self.saver = ThreadPoolExecutor(1, "kv-store-save") if background_saves else None
-        self.saves: set[Future[None]] = set()  # background saves not yet done
-        self.pending_bytes = 0  # what they hold
+        self.pending_bytes = 0  # what the background saves not yet done hold
         self.saves_lock = threading.Lock()  # the saving thread ends saves
         # Each request's load and save, until the front end takes them (bounded,
         # so an offline engine that never takes them keeps only the latest).
@@ -254,25 +253,23 @@ class StoreConnector:
                 self.stats.dropped_saves += 1
                 return
             self.pending_bytes += size
-            future = self.saver.submit(self._put, keys, tokens, data, copied)
-            self.saves.add(future)
+        future = self.saver.submit(self._put, keys, tokens, data, copied)
         future.add_done_callback(lambda f: self._saved(f, size))
 
     def _saved(self, future: Future[None], size: int) -> None:
         with self.saves_lock:
-            self.saves.discard(future)
             self.pending_bytes -= size
         future.result()  # a save that raised is a bug: let it show
 
     def saving(self) -> bool:
-        """Background saves are still running."""
-        return bool(self.saves)
+        """Background saves are still running (every one holds some bytes)."""
+        return self.pending_bytes > 0
 
     def flush(self) -> None:
-        """Wait until every background save so far is in the store."""
-        with self.saves_lock:
-            saves = list(self.saves)
-        wait(saves)
+        """Wait until every background save so far is in the store: the saving
+        thread runs them in order, and ends each (``_saved``) before the next."""
+        if self.saver is not None:
+            self.saver.submit(lambda: None).result()
 
     def _count_save(self, num_blocks: int, nbytes: int, seconds: float) -> None:
         tokens = num_blocks * self.block_size

@@ -218,10 +218,10 @@ def test_saves_run_beside_the_steps_except_on_a_prefill_worker(qwen3, tmp_path) 
     conn = llm.llm_engine.connector
     conn.store = held = HeldStore(conn.store)
     assert run_to_end(llm, batch, params) == want  # no step waited for a put
-    assert conn.saves and llm.stats.kv_transfer.saved_blocks == 0
+    assert conn.saving() and llm.stats.kv_transfer.saved_blocks == 0
     held.release.set()
     conn.flush()
-    assert not conn.saves and conn.pending_bytes == 0
+    assert not conn.saving() and conn.pending_bytes == 0
     full = sum((len(p) + params.max_tokens - 1) // BLOCK for p in batch)
     assert 0 < llm.stats.kv_transfer.saved_blocks <= full
     assert set(held.threads) == {"kv-store-save_0"}
@@ -244,6 +244,6 @@ def test_saves_past_the_bound_are_dropped_and_counted(qwen3, tmp_path, monkeypat
     conn.store = held = HeldStore(conn.store)
     monkeypatch.setattr(store_connector, "MAX_PENDING_SAVE_BYTES", 1)  # none fits
     assert run_to_end(llm, batch, params) == want
-    assert llm.stats.kv_transfer.dropped_saves == len(batch) and not conn.saves
+    assert llm.stats.kv_transfer.dropped_saves == len(batch) and not conn.saving()
     held.release.set()
     assert held.threads == [] and llm.stats.kv_transfer.saved_blocks == 0
