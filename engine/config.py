@@ -163,7 +163,7 @@ class EngineConfig:
         return name if self.kv_row_group == 1 else f"{name}:row-groups-of-{self.kv_row_group}"
 
     def _check_expert_parallel(self) -> None:
-        ep, moe = self.expert_parallel_size, self.hf_config.moe
+        ep, moe = self.expert_parallel_size, self.hf_config.routed_experts()
         if ep < 1 or self.num_redundant_experts < 0 or self.eplb_interval < 1:
             raise ValueError(
                 "expert_parallel_size and eplb_interval must be at least 1, "
@@ -230,7 +230,6 @@ class EngineConfig:
             ("kv_window", self.kv_window is not None),
             ("kv_store", self.kv_store is not None),
             ("speculative_config", self.speculative_config is not None),
-            ("expert_parallel_size > 1", self.expert_parallel_size > 1),
         ):
             if unsupported:
                 raise ValueError(

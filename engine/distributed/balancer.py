@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import EngineConfig
 from engine.core.executor import Executor
 from engine.core.stats import EngineStats
@@ -68,10 +70,12 @@ class ExpertBalancer:
         load = self.stats.expert_tokens
         if load is None:
             raise ValueError("this model has no experts to re-balance")
-        moe, ranks = self.config.hf_config.moe, self.config.expert_parallel_size
+        moe, ranks = self.config.hf_config.routed_experts(), self.config.expert_parallel_size
         extra = self.config.num_redundant_experts if num_redundant is None else num_redundant
         old = self.placement or ExpertPlacement.identity(len(load), moe.num_experts, ranks)
-        phy2log, _, _ = rebalance_experts(load, moe.num_experts + extra, moe.num_groups, 1, ranks)
+        phy2log, _, _ = rebalance_experts(
+            placed_load(load, moe.fixed_layers), moe.num_experts + extra, moe.num_groups, 1, ranks
+        )
         new = ExpertPlacement(phy2log, ranks, moe.num_experts)
         self.executor.apply_placement(new)
         self.placement = new
@@ -80,3 +84,16 @@ class ExpertBalancer:
         )
         self.reports.append(report)
         return report
+
+
+def placed_load(load: torch.Tensor, fixed_layers: tuple[int, ...]) -> torch.Tensor:
+    """The load EPLB places experts for: the recorded one, but an even one for each
+    layer whose routing is a fixed table of token ids (DeepSeek-V4's hash layers).
+    Such a layer's experts are a function of each token's id alone, so its load
+    moves only with which words the traffic holds, never with what the model
+    computes, and re-placing it for one interval's traffic would move weights to
+    chase the words that interval happened to use. It keeps the placement an even
+    load gets, the one it started with."""
+    placed = load.clone().float()
+    placed[list(fixed_layers)] = 1.0
+    return placed

@@ -12,12 +12,27 @@ adds the shared experts, and an all-gather gives every rank the whole batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from engine.distributed.placement import ExpertPlacement, replica_slots
-from engine.layers.moe import MoE, weighted_sum
+from engine.layers.moe import Experts, weighted_sum
+
+
+class RoutedMoE(Protocol):
+    """A MoE layer as expert parallelism sees it: a router, routed experts, and
+    shared experts that run on every token (engine/layers/moe.py's MoE, and
+    DeepSeek-V4's V4MoE, whose router also reads the token ids)."""
+
+    experts: Experts
+    shared_experts: nn.Module
+
+    def route(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -88,13 +103,15 @@ class ExpertParallel:
         self.turns = torch.zeros(placement.num_experts, dtype=torch.int64, device=device)
         self.traffic = traffic
 
-    def forward(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, moe: RoutedMoE, x: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The layer's output for the whole batch x, every rank alike: this rank
         routes its share of the tokens, its pairs go to their experts' ranks and
         come back, and the shares are gathered."""
         lo, hi = token_share(len(x), self.rank, self.world)
         mine = x[lo:hi]
-        weights, ids = moe.gate(mine)  # route locally
+        weights, ids = moe.route(mine, None if input_ids is None else input_ids[lo:hi])
         moe.experts.count(ids)
         slots = replica_slots(ids, self.turns, self.log2phy, self.logcnt)
         rows, local_slots, route = self.dispatch(mine, slots)

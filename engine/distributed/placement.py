@@ -76,11 +76,11 @@ def initial_placement(config) -> ExpertPlacement | None:
     """The placement a model starts with: None (every expert here, no slots) for one
     rank and no redundant experts; else one slot per expert in order, or, with
     redundant slots, EPLB's choice for an even load until one is recorded."""
-    moe, cfg = config.hf_config.moe, config.hf_config
+    moe = config.hf_config.routed_experts()
     ranks, extra = config.expert_parallel_size, config.num_redundant_experts
     if moe is None or (ranks == 1 and extra == 0):
         return None
-    layers = max(0, cfg.num_hidden_layers - moe.first_k_dense_replace) + cfg.num_mtp_layers
+    layers = moe.num_layers
     if extra == 0:
         return ExpertPlacement.identity(layers, moe.num_experts, ranks)
     even = torch.ones(layers, moe.num_experts)

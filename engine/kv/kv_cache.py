@@ -425,7 +425,7 @@ class KVCachePool:
         the whole cache holds (so a lone sequence can always run to the end)."""
         cfg = self.config
         limit = cfg.hf_config.max_position_embeddings
-        capacity = self.num_blocks * self.block_size
+        capacity = self._lone_capacity()
         if cfg.max_model_len is None:
             return min(limit, capacity)
         if cfg.max_model_len > limit:
@@ -436,7 +436,26 @@ class KVCachePool:
         if cfg.max_model_len > capacity:
             raise ValueError(
                 f"max_model_len {cfg.max_model_len} does not fit in the KV cache "
-                f"({self.num_blocks} blocks of {self.block_size} = {capacity} tokens); "
+                f"({self.num_blocks} blocks of {self.block_size}, room for {capacity} "
+                "tokens of one sequence); "
                 "raise num_kv_blocks or lower max_model_len"
             )
         return cfg.max_model_len
+
+    def _lone_capacity(self) -> int:
+        """Tokens one sequence alone can reach. Every token keeps its block, but
+        under a window (EngineConfig.kv_window) a request holds only its sinks',
+        its window's and one step's blocks at a time, and under DeepSeek-V4 also
+        the first block of every row group it has passed (kv_row_group blocks):
+        the cache then holds sequences far longer than its blocks of tokens."""
+        cfg, bs = self.config, self.block_size
+        if cfg.kv_window is None:
+            return self.num_blocks * bs
+        sinks, window = cfg.kv_window
+        step = min(cfg.max_num_batched_tokens, cfg.hf_config.max_position_embeddings)
+        held = cdiv(sinks, bs) + cdiv(window, bs) + cdiv(step, bs) + 2  # +2: unaligned ends
+        if held > self.num_blocks:
+            return self.num_blocks * bs  # the window never bites before the cache is full
+        if cfg.kv_row_group == 1:
+            return cfg.hf_config.max_position_embeddings
+        return (self.num_blocks - held) * bs * cfg.kv_row_group

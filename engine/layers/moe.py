@@ -117,3 +117,9 @@ class MoE(nn.Module):
             return self.ep.forward(self, x)
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids) + self.shared_experts(x)
+
+    def route(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) for each token of x; the token ids play no part."""
+        return self.gate(x)

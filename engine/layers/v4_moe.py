@@ -86,7 +86,18 @@ class V4MoE(nn.Module):
         self.experts.act = ClippedSiluAndMul(limit)
         self.shared_experts = GatedMLP(hidden_size, intermediate_size)
         self.shared_experts.act = ClippedSiluAndMul(limit)
+        self.ep = None  # an ExpertParallel once the experts are placed on ranks
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None:  # experts placed on ranks: engine/distributed/
+            return self.ep.forward(self, x, input_ids)
         weights, ids = self.gate(x, input_ids)
         return self.experts(x, weights, ids) + self.shared_experts(x)
+
+    def route(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) for each token of x, whose ids a hash layer reads."""
+        if input_ids is None:
+            raise ValueError("a DeepSeek-V4 MoE layer routes by token id: pass input_ids")
+        return self.gate(x, input_ids)

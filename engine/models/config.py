@@ -9,7 +9,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.deepseek_v4_config import V4_ARCHITECTURE, V4Config, parse_v4
+from engine.models.deepseek_v4_config import HASH_MOE, V4_ARCHITECTURE, V4Config, parse_v4
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,18 @@ class MoEConfig:
     first_k_dense_replace: int  # layers before this index are dense
 
 
+@dataclass(frozen=True)
+class RoutedExperts:
+    """What expert parallelism and EPLB need to know of a model's routed experts."""
+
+    num_layers: int  # MoE layers, the MTP modules' included, in the model's order
+    num_experts: int  # routed experts per layer
+    num_groups: int  # EPLB's expert groups (DeepSeek-V3's n_group)
+    # Layers whose routing is a fixed table of token ids (DeepSeek-V4's hash layers):
+    # placed like the others, but EPLB never moves them (ExpertBalancer.rebalance).
+    fixed_layers: tuple[int, ...] = ()
+
+
 @dataclass
 class DSAConfig:
     """DeepSeek-V3.2's sparse attention (DSA): a lightning indexer scores every cached
@@ -86,6 +98,18 @@ class ModelConfig:
     num_mtp_layers: int = 0  # multi-token prediction modules stored after the layers
     dsa: DSAConfig | None = None  # DeepSeek-V3.2 only
     v4: V4Config | None = None  # DeepSeek-V4 only (engine/models/deepseek_v4_config.py)
+
+    def routed_experts(self) -> RoutedExperts | None:
+        """The routed experts' layout; None for a model without them."""
+        if self.v4 is not None:
+            hashed = [i for i, kind in enumerate(self.v4.mlp_layer_types) if kind == HASH_MOE]
+            n = self.num_hidden_layers
+            return RoutedExperts(n, self.v4.num_experts, 1, tuple(hashed))
+        if self.moe is None:
+            return None
+        dense = self.moe.first_k_dense_replace
+        layers = max(0, self.num_hidden_layers - dense) + self.num_mtp_layers
+        return RoutedExperts(layers, self.moe.num_experts, self.moe.num_groups)
 
     @classmethod
     def from_pretrained(cls, path: Path) -> ModelConfig:

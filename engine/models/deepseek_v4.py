@@ -24,7 +24,7 @@ from engine.layers.v4_norm import Float32RMSNorm
 from engine.models.base import CausalLM, check_complete, copy_checked
 from engine.models.config import ModelConfig
 from engine.models.deepseek_v4_config import HASH_MOE, V4Config
-from engine.models.deepseek_v4_names import target
+from engine.models.deepseek_v4_names import Target, target
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -93,24 +93,52 @@ class DeepseekV4ForCausalLM(CausalLM):
     def attention_layers(self) -> list[V4Attention]:
         return [layer.attn for layer in self.layers]
 
+    def moe_layers(self) -> list[V4MoE]:
+        """Every layer's MoE, hash-routed and top-k alike, in layer order."""
+        return [layer.ffn for layer in self.layers]
+
     def experts(self) -> list[Experts]:
-        return [layer.ffn.experts for layer in self.layers]
+        return [moe.experts for moe in self.moe_layers()]
 
     def place_experts(self, local: list[list[int]]) -> None:
-        raise ValueError("expert parallelism is not supported on DeepSeek-V4 yet")
+        """Hold, in each layer, only the slots this rank serves: local[layer] is the
+        logical expert of each. Their weights must be loaded next."""
+        for experts, slots in zip(self.experts(), local, strict=True):
+            experts.place(slots)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy every tensor in by its DeepSeek name (deepseek_v4_names.py), and
-        prove every parameter was filled."""
+    def wants_weight(self, name: str) -> bool:
+        """False for a routed expert's tensor no slot of this rank holds (and for
+        what is never loaded), so that the loader never reads it."""
+        where = target(name)
+        if where is None or where.expert is None:
+            return where is not None
+        return bool(self.get_submodule(where.param.rsplit(".", 1)[0]).slots_of(where.expert))
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], only_experts: bool = False
+    ) -> None:
+        """Copy every tensor in by its DeepSeek name (deepseek_v4_names.py), a routed
+        expert's into each slot that holds a copy of it, and prove every parameter
+        was filled (with ``only_experts``, every routed expert's: a new placement)."""
         params = dict(self.named_parameters())
+        if only_experts:
+            params = {n: p for n, p in params.items() if ".experts." in n}
         filled = dict.fromkeys(params, 0)
         for name, tensor in weights:
             where = target(name)
-            if where is None:
+            if where is None or (only_experts and where.expert is None):
                 continue
             if where.param not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-            dest = where.view(params[where.param].data)
-            copy_checked(name, dest, tensor)
-            filled[where.param] += dest.numel()
+            for dest in self._destinations(where, params[where.param].data):
+                copy_checked(name, dest, tensor)
+                filled[where.param] += dest.numel()
         check_complete(sorted(n for n, p in params.items() if filled[n] != p.numel()))
+
+    def _destinations(self, where: Target, data: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of ``data`` one checkpoint tensor fills: for a routed expert,
+        its part of every slot holding a copy (none on a rank that holds none)."""
+        if where.expert is None:
+            return [where.view(data)]
+        experts = self.get_submodule(where.param.rsplit(".", 1)[0])
+        return [where._replace(expert=s).view(data) for s in experts.slots_of(where.expert)]

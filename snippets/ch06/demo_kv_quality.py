@@ -2,26 +2,28 @@
 
 The table `deepinfer bench --kv-quality` prints (engine/tools/kv_quality.py),
 on both tiny models and on a random DeepSeek-V3.2 model: for each cache, the
-perplexity of held-out text (the book's Chapter 1 as it stood when the tiny
-models were trained, which they never saw), scored with prompt_logprobs, the
-window's in one-block chunks so that blocks really go back between them; the
-share of 256 greedy tokens that equal the exact cache's, and the first that
-differs; the pool's bytes per token; and the most blocks a request held.
-On one torch thread, with perplexities rounded to PLACES decimals.
+perplexity of held-out text (the first HELDOUT tokens of the book's Chapter 1 as
+it stood when the tiny models were trained, which they never saw), scored with
+prompt_logprobs, the window's in one-block chunks so that blocks really go back
+between them; the share of GEN greedy tokens that equal the exact cache's, and
+the first that differs; the pool's bytes per token; and the most blocks a
+request held. On one torch thread, with perplexities rounded to PLACES decimals.
+`deepinfer bench --kv-quality` scores the whole file and 256 tokens.
 """
 
 from __future__ import annotations
 
 import re
 
-from engine.tools.kv_quality import measure
+from engine.tools.kv_quality import Sizes, measure
 
 PLACES = 1  # perplexity decimals printed and recorded
+HELDOUT, GEN = 4864, 128  # 19 scored windows of 256 tokens; greedy tokens per reply
 
 
 def main() -> dict:
-    rows = measure()
-    results: dict = {}
+    rows = measure(sizes=Sizes(heldout_tokens=HELDOUT, gen_tokens=GEN))
+    results: dict = {"heldout_tokens": HELDOUT, "gen_tokens": GEN}
     model = None
     for r in rows:
         if r.model != model:

@@ -112,6 +112,34 @@ def test_ep4_matches_one_process_on_random_deepseek(deepseek) -> None:
         llm.shutdown()
 
 
+def test_ep2_matches_one_process_on_deepseek_v4(tmp_path) -> None:
+    """DeepSeek-V4's experts spread over two ranks, its hash layer's router reading
+    each rank's share of the token ids: the one-process tokens under chunked
+    prefill and preemption, and again after EPLB re-places the experts with two
+    redundant slots. The hash layer keeps the placement an even load gets; a top-k
+    layer is placed for its recorded load."""
+    from engine.distributed.eplb import rebalance_experts
+    from tests.engine.test_deepseek_v4 import PROMPTS, REGIMES, build
+
+    build(tmp_path, "three-types")  # layer 0 hash-routed, layers 1 and 2 top-k; 8 experts
+    stress = REGIMES["preemption"]
+    expected = run(LLM(tmp_path, dtype="float32", **stress), PROMPTS)
+    llm = LLM(tmp_path, dtype="float32", expert_parallel_size=2, **stress)
+    try:
+        assert run(llm, PROMPTS) == expected
+        assert llm.stats.preemptions > 0 and llm.stats.partial_prefills > 0
+        assert min(llm.stats.ep_dispatch_bytes) > 0
+        report = llm.rebalance_experts(num_redundant=2)  # 10 slots, 5 a rank
+        even, _, _ = rebalance_experts(torch.ones(1, 8), 10, 1, 1, 2)
+        assert torch.equal(report.placement.phy2log[0], even[0])  # the hash layer
+        load = llm.stats.expert_tokens[1:].float()
+        placed, _, _ = rebalance_experts(load, 10, 1, 1, 2)
+        assert torch.equal(report.placement.phy2log[1:], placed)  # the top-k layers
+        assert run(llm, PROMPTS) == expected
+    finally:
+        llm.shutdown()
+
+
 def test_a_killed_worker_makes_generate_raise_and_leaves_no_process(deepseek) -> None:
     path, _ = deepseek
     llm = LLM(path, dtype="float32", expert_parallel_size=2)

@@ -161,17 +161,22 @@ def test_the_books_hold_after_every_step_of_a_random_run(
 
 def test_a_2000_token_generation_stays_at_its_bound(long_llama: Path) -> None:
     """One greedy request of 40 prompt tokens and 2,000 generated, blocks of 16, a
-    window of (4, 50): after every schedule it holds at most the bound, and the
-    cache has no other block in use; the bound is reached; and the blocks given
-    back are exactly those between its one sink block and its last window."""
+    window of (4, 50), in a cache of 16 blocks (256 tokens): the engine accepts
+    the checkpoint's whole length, since a lone request holds only its sinks', its
+    window's and one step's blocks; after every schedule it holds at most the
+    bound, and the cache has no other block in use; the bound is reached; and the
+    blocks given back are exactly those between its one sink block and its last
+    window."""
     bs, kv_window, prompt_len, out_len = 16, (4, 50), 40, 2000
     llm = LLM(
         long_llama,
         dtype="float32",
         block_size=bs,
-        num_kv_blocks=cdiv(prompt_len + out_len, bs),
+        num_kv_blocks=16,
+        max_num_batched_tokens=64,
         kv_window=kv_window,
     )
+    assert llm.llm_engine.max_model_len == 2304 > 16 * bs
     engine, peaks, in_use = llm.llm_engine, {}, []
     watch_schedule(engine, peaks)
     engine.add_request(

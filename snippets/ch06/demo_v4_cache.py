@@ -1,0 +1,135 @@
+"""Demo: DeepSeek-V4's paged cache grows at the compressed rate, not the token rate.
+
+No trained V4 model is small enough to ship, so the demo builds one with random
+weights: transformers' DeepseekV4ForCausalLM at a toy width, seeded, with one
+layer of each attention type and V4's own rates (a window of WINDOW raw tokens,
+CSA's one row per 4 tokens, HCA's one per 128), saved with deepinfer-tiny-moe's
+tokenizer. The engine serves it as it would a real checkpoint.
+
+One request runs a PROMPT-token prompt in chunks of CHUNK and a REPLY-token
+reply, stepped by hand so that after every step we can count the blocks it
+holds. At a few context lengths (each just after a prompt chunk, whose blocks
+it still holds) the demo prints those blocks beside what a cache keeping every
+token would hold, the bytes of the pool they are per token of context, and the
+bytes per token of a plain cache of the same width: one head_dim row per token
+and layer, every token kept. At the end it reads the pool itself: each part's
+bytes in a block, the compressed rows each layer has written, and the blocks the
+window gave back. Every count depends only on lengths, never on the random
+weights' choices.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sched.scheduler_output import HOLE
+from engine.utils import cdiv
+
+TOKENIZER = Path(os.environ.get("DEEPINFER_DEMO_MODEL_MOE", "snippets/models/deepinfer-tiny-moe"))
+LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+WINDOW, CSA_RATE, HCA_RATE = 128, 4, 128  # V4's own (transformers' DeepseekV4Config)
+SHORT = {LAYERS[0]: "sliding", LAYERS[1]: "CSA", LAYERS[2]: "HCA"}
+BLOCK, CHUNK = 16, 64
+PROMPT, REPLY = 4032, 64
+CHECKPOINTS = (1024, 2048, 3072, 4032)  # context lengths at which blocks are printed
+
+
+def build(folder: Path) -> Path:
+    """A random DeepseekV4ForCausalLM checkpoint with one layer of each type."""
+    import transformers
+
+    config = transformers.DeepseekV4Config(
+        vocab_size=4096, hidden_size=64, num_attention_heads=4, head_dim=32,
+        q_lora_rank=24, o_groups=2, o_lora_rank=16, partial_rotary_factor=0.25,
+        layer_types=LAYERS, num_hidden_layers=len(LAYERS), sliding_window=WINDOW,
+        compress_rates={LAYERS[1]: CSA_RATE, LAYERS[2]: HCA_RATE},
+        mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, hc_mult=2,
+        index_n_heads=4, index_head_dim=16, index_topk=64, max_position_embeddings=8192,
+        initializer_range=0.1, eos_token_id=0, bos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    path = folder / "v4-random"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, path / name)
+    return path
+
+
+def held_blocks(llm: LLM) -> dict[int, int]:
+    """Blocks the one request holds after each step, by tokens computed."""
+    engine = llm.llm_engine
+    prompt = [(7 * i) % 4000 + 50 for i in range(PROMPT)]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=REPLY, ignore_eos=True))
+    held = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            held[seq.num_computed_tokens] = sum(1 for b in seq.block_table if b != HOLE)
+    return held
+
+
+def rows_written(llm: LLM) -> list[int]:
+    """Per layer, the compressed rows in the pool: the non-zero rows of the blocks
+    it has handed out (each zeroed before its first use; only this request ran)."""
+    runner = llm.llm_engine.executor.model_runner
+    used = runner.kv_cache.num_touched_blocks
+    counts = []
+    for layer in runner.model.attention_layers():
+        rows = layer.kv_cache.rows
+        flat = None if rows is None else rows[:used].reshape(-1, rows.shape[-1])
+        counts.append(0 if flat is None else int(flat.ne(0).any(dim=1).sum()))
+    return counts
+
+
+def main() -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(build(Path(tmp)), dtype="float32", block_size=BLOCK,
+                  max_num_batched_tokens=CHUNK, num_kv_blocks=64)  # fmt: skip
+        held = held_blocks(llm)
+        rows = rows_written(llm)
+    group = llm.llm_engine.config.kv_row_group
+    pool = llm.llm_engine.executor.model_runner.kv_cache
+    block_bytes = pool.block_bytes()
+    plain = len(LAYERS) * pool.specs[0].head_dim * 4  # float32, every token kept
+    print(f"blocks of {BLOCK} tokens, {block_bytes} bytes each")
+    print(f"row group: {group} blocks; window: {WINDOW} tokens")
+    print(f"{'context':>8}{'held':>6}{'every token':>13}{'bytes/token':>13}{'plain':>7}")
+    results: dict = {"block": BLOCK, "group": group, "window": WINDOW, "prompt": PROMPT}
+    for n in CHECKPOINTS:
+        per_token = held[n] * block_bytes // n
+        print(f"{n:>8}{held[n]:>6}{cdiv(n, BLOCK):>13}{per_token:>13}{plain:>7}")
+        results |= {f"held_{n}": held[n], f"every_{n}": cdiv(n, BLOCK), f"bytes_{n}": per_token}
+    limit = block_bytes // (group * BLOCK)  # one head per group, nothing else
+    print(f"in the limit, a head per group: {limit} bytes/token")
+    computed = PROMPT + REPLY - 1  # the reply's last token is sampled, never run
+    print(f"bytes in a block{'raw':>8}{'state':>7}{'rows':>7}{'index':>7}{'written':>9}")
+    for kind, spec, count in zip(LAYERS, pool.specs, rows):
+        size = [n * width * spec.dtype.itemsize for n, width in spec.parts(BLOCK)]
+        parts = [size[0], size[1], size[2], size[3] + size[4]]
+        print(f"  {SHORT[kind]:<14}" + "".join(f"{b:>7}" for b in parts) + f"{count:>9}")
+    print(f"tokens computed: {computed}; written: compressed rows in all")
+    print(f"blocks the window gave back: {llm.stats.window_freed_blocks}")
+    return results | {
+        "most": max(held.values()),
+        "rows_sliding": rows[0],
+        "rows_csa": rows[1],
+        "rows_hca": rows[2],
+        "freed": llm.stats.window_freed_blocks,
+        "block_bytes": block_bytes,
+        "slot_bytes": block_bytes // BLOCK,
+        "plain_bytes": plain,
+        "limit_bytes": limit,
+        "computed": computed,
+    }
+
+
+if __name__ == "__main__":
+    main()
