@@ -7,7 +7,8 @@ it stood when the tiny models were trained, which they never saw), scored with
 prompt_logprobs, the window's in one-block chunks so that blocks really go back
 between them; the share of GEN greedy tokens that equal the exact cache's, and
 the first that differs; the pool's bytes per token; and the most blocks a
-request held. On one torch thread, with perplexities rounded to PLACES decimals.
+request held. On one torch thread, with perplexities rounded to FIGURES significant
+figures (a random model's, near the vocabulary's size, to none after the point).
 `deepinfer bench --kv-quality` scores the whole file and 256 tokens.
 """
 
@@ -17,7 +18,7 @@ import re
 
 from engine.tools.kv_quality import Sizes, measure
 
-PLACES = 1  # perplexity decimals printed and recorded
+FIGURES = 4  # perplexity's significant figures, printed and recorded
 HELDOUT, GEN = 4864, 128  # 19 scored windows of 256 tokens; greedy tokens per reply
 
 
@@ -31,11 +32,12 @@ def main() -> dict:
             print(model)
             print(f"  {'cache':<18}{'ppl':>8}{'agree':>7}{'diff':>5}{'bytes':>6}{'blocks':>7}")
         first = "-" if r.first_difference is None else str(r.first_difference)
-        print(f"  {r.cache:<18}{r.perplexity:>8.{PLACES}f}{r.agreement:>7.3f}{first:>5}"
+        places = max(0, FIGURES - len(str(int(r.perplexity))))
+        print(f"  {r.cache:<18}{r.perplexity:>8.{places}f}{r.agreement:>7.3f}{first:>5}"
               f"{r.bytes_per_token:>6.0f}{r.peak_blocks:>7}")  # fmt: skip
         key = re.sub(r"[^a-z0-9]+", "_", f"{r.model} {r.cache}".lower()).strip("_")
         results |= {
-            f"ppl_{key}": round(r.perplexity, PLACES),
+            f"ppl_{key}": round(r.perplexity, places) if places else round(r.perplexity),
             f"agree_{key}": round(r.agreement, 3),
             f"first_{key}": -1 if r.first_difference is None else r.first_difference,
             f"bytes_{key}": round(r.bytes_per_token),
