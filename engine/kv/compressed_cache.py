@@ -9,8 +9,8 @@ layer, through the request's one block table):
 and a layer with a compressor (CSA, HCA) also:
 
 - ``state``: the compressor's projections of the token, its kv and its gate
-  (twice head_dim each under CSA's overlapping windows): what the compressor
-  reads to close a window, maybe in a later step than the token's own;
+  (twice head_dim each under CSA's overlapping units): what the compressor
+  reads to close a compression unit, maybe in a later step than the token's own;
 - ``rows``: compressed rows, as many per block as a group of blocks closes at
   this layer's rate (ROW_LANES * block_size at the smallest rate, fewer above);
 
@@ -19,7 +19,7 @@ and a CSA layer, for its lightning indexer, the same two at index_head_dim:
 
 Blocks go in groups of ``row_group`` = ROW_LANES (deepseek_v4_config.py) times the
 smallest compression rate: the first block of each group holds the compressed rows (and indexer
-keys) of every window whose last token lies in the group (row_slots), and is
+keys) of every unit whose last token lies in the group (row_slots), and is
 kept for the request's life. The other blocks hold only raw rows and states,
 which nothing reads once they are older than V4Config.window_tokens(): the
 scheduler's window gives them back as the request runs
@@ -27,7 +27,7 @@ scheduler's window gives them back as the request runs
 1/row_group of the token rate. A group head is written until its group is full,
 so the prefix cache hits only whole groups (BlockManager.match_prefix).
 Everything else in a block depends only on the tokens up to it, which makes
-chunked prefill with boundaries inside windows, preemption (recompute) and
+chunked prefill with boundaries inside units, preemption (recompute) and
 prefix hits exact.
 
 Simplifications of this version: every block has room for every part (a group

@@ -1,18 +1,19 @@
 """DeepSeek-V4's KV compressor: one row for every ``rate`` tokens of a layer.
 
-Each token projects a kv and a gate. Window w (tokens w*m .. w*m + m-1) becomes
-one row when its last token is computed: a softmax over the window's gates
-(plus a learned bias per slot in the window, ``ape``), channel by channel,
-weights the kv, and the sum is normed and rotated at position w*m.
+Each token projects a kv and a gate. Compression unit w (tokens w*m .. w*m + m-1)
+becomes one row when its last token is computed: a softmax over the unit's gates
+(plus a learned bias for each position in the unit, ``ape``), channel by channel,
+weights the kv, and the sum is normed and rotated at position w*m. (The unit is
+not the attention's sliding window, which is longer.)
 
-With ``overlap`` (CSA's rate-4 windows), kv and gate are twice as wide: the
-second half is the token's part in its own window's row, the first half its
-part in the next window's. So row w pools 2m slots, window w-1's first halves
-then window w's second halves; row 0 has no window before it (those slots get
+With ``overlap`` (CSA's rate-4 units), kv and gate are twice as wide: the
+second half is the token's part in its own unit's row, the first half its
+part in the next unit's. So row w pools 2m positions, unit w-1's first halves
+then unit w's second halves; row 0 has no unit before it (those positions get
 weight 0, as transformers gives them).
 
 The token's projections are kept in the layer's paged cache (the ``state``), so
-a window may close in a later step than its first tokens ran in, after a chunk
+a unit may close in a later step than its first tokens ran in, after a chunk
 boundary, a preemption or a prefix-cache hit, and read them back there.
 """
 
@@ -65,12 +66,12 @@ class Compressor(nn.Module):
         state: torch.Tensor,
         rows: torch.Tensor,
     ) -> None:
-        """Cache this step's tokens' projections, then write the row of every window
+        """Cache this step's tokens' projections, then write the row of every unit
         whose last token is among them (compressed_cache.row_slots)."""
         write(state, meta.slot_mapping, torch.cat([self.wkv(x), self.wgate(x)], dim=-1))
         m, block_size = self.rate, state.shape[1]
         for span in spans:
-            lo, hi = span.start // m, span.end // m  # the windows that close now
+            lo, hi = span.start // m, span.end // m  # the units that close now
             if hi <= lo:
                 continue
             table = meta.block_tables[span.seq]
@@ -83,8 +84,8 @@ class Compressor(nn.Module):
             write(rows, at, rows_out)
 
     def pool(self, states: torch.Tensor, skip: int) -> torch.Tensor:
-        """states [windows * m, 2 * width] of consecutive whole windows -> the rows
-        [windows - skip, dim] of all but the first ``skip`` (0, or 1: a window read
+        """states [units * m, 2 * width] of consecutive whole units -> the rows
+        [units - skip, dim] of all but the first ``skip`` (0, or 1: a unit read
         only for its first halves)."""
         m, d = self.rate, self.dim
         kv, gate = states.unflatten(0, (-1, m)).chunk(2, dim=-1)
@@ -96,7 +97,7 @@ class Compressor(nn.Module):
         slots_kv = kv.new_zeros(n, 2 * m, d)
         slots_gate = gate.new_full((n, 2 * m, d), float("-inf"))
         slots_kv[:, m:], slots_gate[:, m:] = kv[skip:, :, d:], gate[skip:, :, d:]
-        prev = 1 - skip  # rows whose previous window was not read: row 0 of the sequence
+        prev = 1 - skip  # rows whose previous unit was not read: row 0 of the sequence
         slots_kv[prev:, :m], slots_gate[prev:, :m] = kv[: n - prev, :, :d], gate[: n - prev, :, :d]
         weights = slots_gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         return (slots_kv * weights).sum(dim=1)

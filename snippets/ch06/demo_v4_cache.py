@@ -104,18 +104,22 @@ def main() -> dict:
     print(f"{'context':>8}{'held':>6}{'every token':>13}{'bytes/token':>13}{'plain':>7}")
     results: dict = {"block": BLOCK, "group": group, "window": WINDOW, "prompt": PROMPT}
     for n in CHECKPOINTS:
-        per_token = held[n] * block_bytes // n
+        per_token = round(held[n] * block_bytes / n)
         print(f"{n:>8}{held[n]:>6}{cdiv(n, BLOCK):>13}{per_token:>13}{plain:>7}")
         results |= {f"held_{n}": held[n], f"every_{n}": cdiv(n, BLOCK), f"bytes_{n}": per_token}
     limit = block_bytes // (group * BLOCK)  # one head per group, nothing else
     print(f"in the limit, a head per group: {limit} bytes/token")
     computed = PROMPT + REPLY - 1  # the reply's last token is sampled, never run
-    print(f"bytes in a block{'raw':>8}{'state':>7}{'rows':>7}{'index':>7}{'written':>9}")
+    print("bytes in a block: raw rows, compressor state, rows,")
+    print("indexer state and keys; rows written in all")
+    print(f"{'':<9}{'raw':>6}{'state':>7}{'rows':>6}{'istate':>7}{'ikeys':>6}{'written':>9}")
     for kind, spec, count in zip(LAYERS, pool.specs, rows):
         size = [n * width * spec.dtype.itemsize for n, width in spec.parts(BLOCK)]
-        parts = [size[0], size[1], size[2], size[3] + size[4]]
-        print(f"  {SHORT[kind]:<14}" + "".join(f"{b:>7}" for b in parts) + f"{count:>9}")
-    print(f"tokens computed: {computed}; written: compressed rows in all")
+        widths = (6, 7, 6, 7, 6)
+        print(
+            f"{SHORT[kind]:<9}" + "".join(f"{b:>{w}}" for b, w in zip(size, widths)) + f"{count:>9}"
+        )
+    print(f"tokens computed: {computed}")
     print(f"blocks the window gave back: {llm.stats.window_freed_blocks}")
     return results | {
         "most": max(held.values()),
