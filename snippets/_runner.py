@@ -102,6 +102,10 @@ def fixed_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS="1",  # one torch (intra-op) thread
         MKL_NUM_THREADS="1",
+        # Idle OpenMP threads sleep rather than spin: under a perturbation's two
+        # threads on a busy two-core machine, spinning ones stall each other (a
+        # snippet took ten times as long). The policy changes no number.
+        OMP_WAIT_POLICY="PASSIVE",
         CUDA_VISIBLE_DEVICES="",  # CPU, even on a machine with a GPU
         TOKENIZERS_PARALLELISM="false",
         HF_HUB_OFFLINE="1",

@@ -14,9 +14,14 @@ from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
+# Before anything imports torch, whose OpenMP runtime reads it once: idle threads
+# sleep rather than spin. Two test processes on two cores each run torch on two
+# threads, and spinning threads stall each other's process; no result changes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests.redis_server import redis_server  # noqa: F401  (a fixture for every test)
+import pytest  # noqa: E402
+
+from tests.redis_server import redis_server  # noqa: F401, E402  (a fixture for every test)
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
