@@ -172,8 +172,8 @@ class BlockManager:
         that lies wholly after its first ``sinks`` tokens and wholly before the
         last ``window`` of its computed ones; returns how many. Each leaves a HOLE,
         so that position p still maps to entry p // block_size. The blocks given
-        back form one run after the sinks' blocks, which only grows: walk it back
-        from its new end to the first hole. The first time, the tokens computed so
+        back form one run after the sinks' blocks (but for those kept_in_window
+        keeps), which only grows: walk it back from its new end to the first hole. The first time, the tokens computed so
         far are the last whose blocks the prefix cache may get (cache_full_blocks):
         those computed from now on attend to a windowed context."""
         bs, table = self.block_size, seq.block_table
@@ -181,6 +181,8 @@ class BlockManager:
         end = min((seq.num_computed_tokens - window) // bs, len(table))
         dropped = 0
         for i in range(end - 1, first - 1, -1):
+            if self.kept_in_window(i):
+                continue
             if table[i] == HOLE:
                 break  # the run given back before
             self._release(table[i])
@@ -189,3 +191,8 @@ class BlockManager:
         if dropped and seq.num_unwindowed_tokens is None:
             seq.num_unwindowed_tokens = seq.num_computed_tokens
         return dropped
+
+    def kept_in_window(self, i: int) -> bool:
+        """Whether block i of a table stays when the window passes it: never here
+        (GroupedBlockManager keeps each row group's first block)."""
+        return False

@@ -5,8 +5,8 @@ a whole group of ``row_group`` blocks in the group's first block, the head. So a
 head is written while any block of its group is computed, and what it holds
 depends on every token of the group. Three things change from BlockManager:
 
-- a window never gives a head back (free_outside_window), since the rows are
-  read for the request's whole life;
+- a window never gives a head back (kept_in_window), since the rows are read
+  for the request's whole life;
 - the prefix cache publishes a group only once all of it is computed, and names
   every block of the group by the group's tokens, not its own alone
   (block_hash): a head with one group's rows can never be found behind another
@@ -23,7 +23,6 @@ from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_hash
 from engine.sched.scheduler_output import HOLE
 from engine.sequence import Sequence
-from engine.utils import cdiv
 
 
 class GroupedBlockManager(BlockManager):
@@ -87,21 +86,7 @@ class GroupedBlockManager(BlockManager):
                 chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 block.hash, block.token_ids = h, chunk
 
-    def free_outside_window(self, seq: Sequence, sinks: int, window: int) -> int:
-        """BlockManager's window, keeping every group's head: the blocks given
-        back still form one run but for the heads, which only grows."""
-        bs, table = self.block_size, seq.block_table
-        first = cdiv(sinks, bs)
-        end = min((seq.num_computed_tokens - window) // bs, len(table))
-        dropped = 0
-        for i in range(end - 1, first - 1, -1):
-            if i % self.row_group == 0:
-                continue  # a group's head: it holds the group's compressed rows
-            if table[i] == HOLE:
-                break  # the run given back before
-            self._release(table[i])
-            table[i] = HOLE
-            dropped += 1
-        if dropped and seq.num_unwindowed_tokens is None:
-            seq.num_unwindowed_tokens = seq.num_computed_tokens
-        return dropped
+    def kept_in_window(self, i: int) -> bool:
+        """A group's head stays: it holds the group's compressed rows. The blocks
+        the window gives back then form one run but for the heads, which only grows."""
+        return i % self.row_group == 0
