@@ -158,9 +158,9 @@ class EngineConfig:
     @property
     def model_identity(self) -> str:
         """The model, as the prefix cache's hash chains name it: for DeepSeek-V4 with
-        its cache layout, hits of whole groups of kv_row_group blocks only."""
+        its cache layout, hits of whole row spans of kv_row_span tokens only."""
         name = f"{self.hf_config.architecture}:{Path(self.model).resolve().name}"
-        return name if self.kv_row_group == 1 else f"{name}:row-groups-of-{self.kv_row_group}"
+        return f"{name}:row-spans-of-{self.kv_row_span}" if self.kv_row_span else name
 
     def _check_expert_parallel(self) -> None:
         ep, moe = self.expert_parallel_size, self.hf_config.routed_experts()
@@ -219,10 +219,10 @@ class EngineConfig:
             raise ValueError("kv_store needs prefix caching: blocks are filed by its hash chains")
 
     def _check_deepseek_v4(self) -> None:
-        """DeepSeek-V4 runs under a window of its own: a request keeps the blocks of
-        its last V4Config.window_tokens() tokens and the first block of every group
-        of row_group blocks (which holds the group's compressed rows), and gives
-        back the rest (engine/kv/compressed_cache.py). What it cannot run yet."""
+        """DeepSeek-V4 runs under a window of its own: a request keeps the token
+        blocks of its last V4Config.window_tokens() tokens and gives back the rest,
+        while its row blocks stay (engine/kv/compressed_cache.py). What it cannot
+        run yet."""
         v4 = self.hf_config.v4
         if v4 is None:
             return
@@ -239,11 +239,11 @@ class EngineConfig:
         self.kv_window = (0, v4.window_tokens())
 
     @property
-    def kv_row_group(self) -> int:
-        """Blocks per group of a cache whose groups' first blocks hold compressed
-        rows (DeepSeek-V4); 1 for every other model."""
+    def kv_row_span(self) -> int:
+        """Tokens per row block, where DeepSeek-V4 keeps compressed rows
+        (V4Config.row_span); 0 for every other model."""
         v4 = self.hf_config.v4
-        return 1 if v4 is None else v4.row_group()
+        return 0 if v4 is None else v4.row_span(self.block_size)
 
     def _check_kv_window(self) -> None:
         """A window of at least one block, sinks of none or more, and no MTP drafts."""

@@ -42,6 +42,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K and V are in the cache
         self.block_table: list[int] = []  # logical block i -> physical block id, or HOLE
         self.block_hashes: list[bytes] = []  # hash chain of the full, computed blocks
+        # DeepSeek-V4's row blocks, one per row span of tokens (kv/grouped_blocks.py).
+        self.row_table: list[int] = []
         # With a kv_window: the tokens computed before it first gave a block back,
         # whose keys saw the whole context; only their blocks may be published.
         self.num_unwindowed_tokens: int | None = None  # None: nothing given back yet

@@ -57,13 +57,13 @@ class LLMEngine:
         root = chain_root(config.model_identity, config.kv_format, cache.block_size)
         self.block_manager = (
             BlockManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching, root)
-            if config.kv_row_group == 1
+            if not config.kv_row_span
             else GroupedBlockManager(
                 cache.num_blocks,
                 cache.block_size,
                 config.enable_prefix_caching,
                 root,
-                config.kv_row_group,
+                config.kv_row_span,
             )
         )
         scheduler = AsyncScheduler if config.async_scheduling else Scheduler

@@ -12,6 +12,7 @@ HOLE there; the blocks around it stay where they were.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import ClassVar
 
 from engine.kv.hashing import chain_hash, chain_root
 from engine.sched.scheduler_output import HOLE
@@ -28,6 +29,11 @@ class Block:
 
 
 class BlockManager:
+    # Whether a token computed after a window first gave a block back gets other
+    # keys and values than it would have (a generic window: its attention saw
+    # less). Then the prefix cache must not get them (cache_full_blocks).
+    window_changes_keys: ClassVar[bool] = True
+
     def __init__(
         self,
         num_blocks: int,
@@ -152,7 +158,7 @@ class BlockManager:
             return
         if num_computed is None:
             num_computed = seq.num_computed_tokens
-        if seq.num_unwindowed_tokens is not None:
+        if seq.num_unwindowed_tokens is not None and self.window_changes_keys:
             num_computed = min(num_computed, seq.num_unwindowed_tokens)
         full = num_computed // self.block_size
         for i in range(len(seq.block_hashes), full):
@@ -172,8 +178,8 @@ class BlockManager:
         that lies wholly after its first ``sinks`` tokens and wholly before the
         last ``window`` of its computed ones; returns how many. Each leaves a HOLE,
         so that position p still maps to entry p // block_size. The blocks given
-        back form one run after the sinks' blocks (but for those kept_in_window
-        keeps), which only grows: walk it back from its new end to the first hole. The first time, the tokens computed so
+        back form one run after the sinks' blocks, which only grows: walk it back
+        from its new end to the first hole. The first time, the tokens computed so
         far are the last whose blocks the prefix cache may get (cache_full_blocks):
         those computed from now on attend to a windowed context."""
         bs, table = self.block_size, seq.block_table
@@ -181,8 +187,6 @@ class BlockManager:
         end = min((seq.num_computed_tokens - window) // bs, len(table))
         dropped = 0
         for i in range(end - 1, first - 1, -1):
-            if self.kept_in_window(i):
-                continue
             if table[i] == HOLE:
                 break  # the run given back before
             self._release(table[i])
@@ -191,8 +195,3 @@ class BlockManager:
         if dropped and seq.num_unwindowed_tokens is None:
             seq.num_unwindowed_tokens = seq.num_computed_tokens
         return dropped
-
-    def kept_in_window(self, i: int) -> bool:
-        """Whether block i of a table stays when the window passes it: never here
-        (GroupedBlockManager keeps each row group's first block)."""
-        return False

@@ -1,114 +1,179 @@
-"""The paged cache of a DeepSeek-V4 attention layer, one spec per layer in the pool.
+"""The paged cache of DeepSeek-V4's attention layers: token blocks and row blocks.
 
-Every layer keeps, per token slot (the same (block, slot) address as every other
-layer, through the request's one block table):
+A request holds two block tables, drawn from one pool (GroupedBlockManager):
 
-- ``kv``: the token's K = V row (head_dim numbers, normed and rotated): what the
-  sliding window reads;
+- its token blocks (``block_table``), one per ``block_size`` tokens, as every
+  model has. In every layer a token slot holds the token's K = V row (``kv``, what
+  the sliding window reads), and in a layer with a compressor (CSA, HCA) also
+  that compressor's projections of the token (``state``, its kv and gate: what
+  closes a compression unit, maybe in a later step than the token's own), and
+  in a CSA layer the indexer's compressor's (``index_state``). Nothing reads
+  them once they are older than V4Config.window_tokens(), so the scheduler's
+  window gives those blocks back as the request runs
+  (BlockManager.free_outside_window): a request holds a window's worth of them;
+- its row blocks (``row_table``), one per ``row_span`` tokens
+  (V4Config.row_span): in every compressed layer, the rows of the units whose
+  last token lies in that span (``rows``, ``row_span / rate`` of them), and in a
+  CSA layer the indexer's key of each (``index_keys``). They are read for the
+  request's whole life, so the blocks it holds grow at the compressed rate.
 
-and a layer with a compressor (CSA, HCA) also:
+A block is one page of the pool, the same size whichever table holds it: the
+pool sees one cache (CompressedCacheSpec) whose blocks are pages of numbers, and
+each layer's parts are views into them, a token block's from the page's start
+and a row block's from the page's start too. row_span is chosen to fill a row
+block about as well as a token block is filled.
 
-- ``state``: the compressor's projections of the token, its kv and its gate
-  (twice head_dim each under CSA's overlapping units): what the compressor
-  reads to close a compression unit, maybe in a later step than the token's own;
-- ``rows``: compressed rows, as many per block as a group of blocks closes at
-  this layer's rate (ROW_LANES * block_size at the smallest rate, fewer above);
-
-and a CSA layer, for its lightning indexer, the same two at index_head_dim:
-``index_state`` and ``index_keys``.
-
-Blocks go in groups of ``row_group`` = ROW_LANES (deepseek_v4_config.py) times the
-smallest compression rate: the first block of each group holds the compressed rows (and indexer
-keys) of every unit whose last token lies in the group (row_slots), and is
-kept for the request's life. The other blocks hold only raw rows and states,
-which nothing reads once they are older than V4Config.window_tokens(): the
-scheduler's window gives them back as the request runs
-(BlockManager.free_outside_window), so the blocks a request holds grow at
-1/row_group of the token rate. A group head is written until its group is full,
-so the prefix cache hits only whole groups (BlockManager.match_prefix).
-Everything else in a block depends only on the tokens up to it, which makes
-chunked prefill with boundaries inside units, preemption (recompute) and
-prefix hits exact.
-
-Simplifications of this version: every block has room for every part (a group
-head's raw rows and states, and the rows part of the other blocks, go unused
-once the window passes), and rows of all rates share the groups of the smallest
-one: an HCA layer's few rows take little room in a group head, but do not get
-blocks of their own at 1/128 of the token rate.
+A row block is written until its span is full, so the prefix cache hits whole
+spans only (GroupedBlockManager.match_prefix). Everything in a block depends
+only on the tokens up to it, which makes chunked prefill with boundaries inside
+units, preemption (recompute) and prefix hits exact.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.kv.quant import QuantFormat
-from engine.utils import cdiv
 
 
 @dataclass
 class CompressedKV:
-    """One V4 layer's cache tensors, each [num_blocks, block_size, width]; the
-    compressor's and indexer's are None in a layer that has none."""
+    """One V4 layer's views of the pool, each [num_blocks, entries, width]: the token
+    parts (entries = block_size) are read at token blocks, the row parts (entries =
+    rows per row block) at row blocks. The compressor's and indexer's are None in a
+    layer that has none."""
 
     kv: torch.Tensor
     state: torch.Tensor | None = None
-    rows: torch.Tensor | None = None
     index_state: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        parts = (self.kv, self.state, self.rows, self.index_state, self.index_keys)
-        return [t for t in parts if t is not None]
 
 
 @dataclass(frozen=True)
 class CompressedAttentionSpec:
-    """Widths per token slot: ``state_dim`` 0 for a sliding-window layer,
-    ``index_state_dim`` 0 for any layer but CSA; ``rate`` the layer's compression
-    rate (0: none) and ``group`` the cache's blocks per row group."""
+    """One layer's widths: numbers per token slot (``head_dim`` for kv, then
+    ``state_dim`` and ``index_state_dim``, 0 where the layer has none) and per
+    compressed row (``row_dim``, ``index_key_dim``) at ``rate`` tokens a row (0: none)."""
 
     head_dim: int
     state_dim: int
-    index_head_dim: int
     index_state_dim: int
-    dtype: torch.dtype
-    rate: int = 0
-    group: int = 1
+    row_dim: int
+    index_key_dim: int
+    rate: int
 
-    def parts(self, block_size: int) -> list[tuple[int, int]]:
-        """(entries per block, width) of kv, state, rows, index_state, index_keys;
-        (0, 0) for a part the layer has not. A group closes at most
-        ceil(group * block_size / rate) rows: that many per block."""
-        none = (0, 0)
-        rows = cdiv(self.group * block_size, self.rate) if self.rate else 0
-        compressed = [(block_size, self.state_dim), (rows, self.head_dim)]
-        indexed = [(block_size, self.index_state_dim), (rows, self.index_head_dim)]
-        return [
-            (block_size, self.head_dim),
-            *(compressed if self.state_dim else [none, none]),
-            *(indexed if self.index_state_dim else [none, none]),
-        ]
+    def token_numbers(self) -> int:
+        return self.head_dim + self.state_dim + self.index_state_dim
+
+    def row_numbers(self, row_span: int) -> int:
+        """Numbers one row block of ``row_span`` tokens takes in this layer."""
+        return row_span // self.rate * (self.row_dim + self.index_key_dim) if self.rate else 0
+
+
+@dataclass
+class CompressedCache:
+    """The pool's one cache for every V4 layer: ``pages`` [num_blocks, numbers], and
+    each layer's views of it."""
+
+    pages: torch.Tensor
+    layers: list[CompressedKV]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.pages]
+
+
+@dataclass(frozen=True)
+class CompressedCacheSpec:
+    """Every V4 layer's cache as one spec for the pool (engine/kv/kv_cache.py): a
+    block is a page with room for a token block's parts in every layer, or a row
+    block's, whichever is larger."""
+
+    layers: tuple[CompressedAttentionSpec, ...]
+    row_span: int  # tokens per row block (V4Config.row_span at this block size)
+    dtype: torch.dtype
+
+    def page_numbers(self, block_size: int) -> int:
+        tokens = block_size * sum(spec.token_numbers() for spec in self.layers)
+        return max(tokens, sum(spec.row_numbers(self.row_span) for spec in self.layers))
 
     def block_bytes(self, block_size: int) -> int:
-        numbers = sum(n * width for n, width in self.parts(block_size))
-        return numbers * self.dtype.itemsize
+        return self.page_numbers(block_size) * self.dtype.itemsize
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> CompressedKV:
-        def part(entries: int, width: int) -> torch.Tensor | None:
-            if not width:
-                return None
-            shape = (num_blocks, entries, width)
-            return torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> CompressedCache:
+        shape = (num_blocks, self.page_numbers(block_size))
+        pages = torch.empty(shape, dtype=self.dtype, device=device)  # the pool zeroes it
+        return CompressedCache(pages, carve(pages, self.layers, block_size, self.row_span))
 
-        return CompressedKV(*(part(*p) for p in self.parts(block_size)))
-
-    def quantized(self, fmt: QuantFormat) -> CompressedAttentionSpec:
+    def quantized(self, fmt: QuantFormat) -> CompressedCacheSpec:
         raise ValueError(
             f"kv_cache_dtype={fmt.name!r} is not supported on DeepSeek-V4 yet: its "
             "compressor reads its states back in the model's dtype"
         )
+
+
+def carve(
+    pages: torch.Tensor, specs: tuple[CompressedAttentionSpec, ...], block_size: int, row_span: int
+) -> list[CompressedKV]:
+    """Each layer's views of ``pages``: the token parts of every layer one after
+    another from each page's start, and the row parts likewise, over the same numbers."""
+    token_at, row_at = 0, 0
+
+    def view(at: int, entries: int, width: int) -> torch.Tensor | None:
+        if not entries * width:
+            return None
+        return pages[:, at : at + entries * width].unflatten(1, (entries, width))
+
+    out = []
+    for spec in specs:
+        widths = (spec.head_dim, spec.state_dim, spec.index_state_dim)
+        token_parts = []
+        for width in widths:
+            token_parts.append(view(token_at, block_size, width))
+            token_at += block_size * width
+        rows = row_span // spec.rate if spec.rate else 0
+        row_parts = []
+        for width in (spec.row_dim, spec.index_key_dim):
+            row_parts.append(view(row_at, rows, width))
+            row_at += rows * width
+        kv = token_parts[0]
+        assert kv is not None
+        out.append(CompressedKV(kv, token_parts[1], token_parts[2], *row_parts))
+    return out
+
+
+class CompressedLayer(Protocol):
+    """A V4 attention layer, as CompressedCacheLayers binds it."""
+
+    kv_cache: CompressedKV | None
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> CompressedAttentionSpec: ...
+
+
+class CompressedCacheLayers:
+    """Every V4 attention layer, as the pool sees them: one cached layer
+    (kv_cache.CachedLayer) whose cache binds each layer's views as it is set."""
+
+    def __init__(self, layers: list[CompressedLayer], row_span: int) -> None:
+        self.layers, self.row_span = layers, row_span
+        self._cache: CompressedCache | None = None
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> CompressedCacheSpec:
+        specs = tuple(layer.kv_cache_spec(dtype) for layer in self.layers)
+        return CompressedCacheSpec(specs, self.row_span, dtype)
+
+    @property
+    def kv_cache(self) -> CompressedCache | None:
+        return self._cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: CompressedCache | None) -> None:
+        self._cache = cache
+        for i, layer in enumerate(self.layers):
+            layer.kv_cache = None if cache is None else cache.layers[i]
 
 
 def slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -117,30 +182,23 @@ def slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -
     return blocks * block_size + positions % block_size
 
 
-def row_slots(
-    block_table: torch.Tensor,
-    rows: torch.Tensor,
-    rate: int,
-    group: int,
-    block_size: int,
-    cache: torch.Tensor,
-) -> torch.Tensor:
-    """Where compressed rows ``rows`` [n] of one sequence at ``rate`` sit in a
-    [blocks, rows per block, width] ``cache``: row w closes at token w*rate + rate-1,
-    in group g of ``group`` blocks, and sits in the group's first block at w modulo
-    the rows a block holds. A group closes at most that many rows, consecutive
-    ones, so no two meet."""
+def row_slots(row_table: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Where compressed rows ``rows`` [n] of one sequence sit in a [blocks, rows per
+    block, width] ``cache``: a row block holds row_span / rate consecutive rows at a
+    layer's rate (the units whose last token lies in its span), so row w is entry
+    w modulo that in the sequence's row block w // that."""
     per_block = cache.shape[1]
-    last = rows * rate + rate - 1
-    heads = block_table.long()[last // (group * block_size) * group]
-    return heads * per_block + rows % per_block
+    return row_table.long()[rows // per_block] * per_block + rows % per_block
 
 
 def write(cache: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-    """values [n, width] into slots ``where`` [n] of a [blocks, block_size, width] tensor."""
-    cache.view(-1, cache.shape[-1]).index_copy_(0, where, values.to(cache.dtype))
+    """values [n, width] into slots ``where`` [n] (block * entries + entry) of a
+    [blocks, entries, width] view."""
+    entries = cache.shape[1]
+    cache[where // entries, where % entries] = values.to(cache.dtype)
 
 
 def read(cache: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """The rows [n, width] at slots ``where`` [n]."""
-    return cache.view(-1, cache.shape[-1])[where]
+    entries = cache.shape[1]
+    return cache[where // entries, where % entries]

@@ -446,8 +446,8 @@ class KVCachePool:
         """Tokens one sequence alone can reach. Every token keeps its block, but
         under a window (EngineConfig.kv_window) a request holds only its sinks',
         its window's and one step's blocks at a time, and under DeepSeek-V4 also
-        the first block of every row group it has passed (kv_row_group blocks):
-        the cache then holds sequences far longer than its blocks of tokens."""
+        one row block for every kv_row_span tokens: the cache then holds
+        sequences far longer than its blocks of tokens."""
         cfg, bs = self.config, self.block_size
         if cfg.kv_window is None:
             return self.num_blocks * bs
@@ -456,6 +456,6 @@ class KVCachePool:
         held = cdiv(sinks, bs) + cdiv(window, bs) + cdiv(step, bs) + 2  # +2: unaligned ends
         if held > self.num_blocks:
             return self.num_blocks * bs  # the window never bites before the cache is full
-        if cfg.kv_row_group == 1:
+        if not cfg.kv_row_span:
             return cfg.hf_config.max_position_embeddings
-        return (self.num_blocks - held) * bs * cfg.kv_row_group
+        return (self.num_blocks - held) * cfg.kv_row_span

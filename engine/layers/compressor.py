@@ -41,10 +41,8 @@ class Compressor(nn.Module):
         overlap: bool,
         rope: PartialRope,
         eps: float,
-        group: int,
     ) -> None:
         super().__init__()
-        self.group = group  # blocks per row group of the cache (compressed_cache.row_slots)
         width = (2 if overlap else 1) * dim
         self.dim, self.rate, self.overlap = dim, rate, overlap
         self.wkv = nn.Linear(hidden, width, bias=False)
@@ -52,11 +50,6 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(rate, width, dtype=torch.float32))
         self.norm = Float32RMSNorm(dim, eps)
         self.rope = rope
-
-    @property
-    def state_dim(self) -> int:
-        """Numbers cached per token: its kv and its gate."""
-        return 2 * self.wkv.out_features
 
     def update(
         self,
@@ -80,7 +73,7 @@ class Compressor(nn.Module):
             pooled = self.pool(read(state, slots(table, where, block_size)), lo - first)
             closed = torch.arange(lo, hi, device=x.device)
             rows_out = self.rope(self.norm(pooled), closed * m)
-            at = row_slots(table, closed, m, self.group, block_size, rows)
+            at = row_slots(meta.row_tables[span.seq], closed, rows)
             write(rows, at, rows_out)
 
     def pool(self, states: torch.Tensor, skip: int) -> torch.Tensor:

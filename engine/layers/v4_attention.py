@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention.context import get_forward_context
+from engine.attention.metadata import AttentionMetadata
 from engine.kv.compressed_cache import (
     CompressedAttentionSpec,
     CompressedKV,
@@ -76,7 +77,8 @@ class V4Attention(nn.Module):
         assert v4 is not None
         self.kind, self.rate = v4.layer_types[layer], v4.rate(layer)
         self.heads, self.dim, self.window = cfg.num_attention_heads, v4.head_dim, v4.sliding_window
-        self.groups, self.eps, self.row_group = v4.o_groups, eps, v4.row_group()
+        self.groups, self.eps = v4.o_groups, eps
+        self.widths = (v4.token_widths(layer), v4.row_widths(layer))
         self.wq_a = nn.Linear(hidden, v4.q_lora_rank, bias=False)
         self.q_norm = Float32RMSNorm(v4.q_lora_rank, eps)
         self.wq_b = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
@@ -89,9 +91,7 @@ class V4Attention(nn.Module):
         compressed = self.kind != SLIDING
         self.rope = PartialRope(v4.rope_dim, v4.compress_rope if compressed else v4.main_rope)
         self.compressor = (
-            Compressor(
-                hidden, self.dim, self.rate, self.kind == CSA, self.rope, eps, self.row_group
-            )
+            Compressor(hidden, self.dim, self.rate, self.kind == CSA, self.rope, eps)
             if compressed
             else None
         )
@@ -105,7 +105,6 @@ class V4Attention(nn.Module):
                 self.rate,
                 self.rope,
                 eps,
-                self.row_group,
             )
             if self.kind == CSA
             else None
@@ -113,12 +112,10 @@ class V4Attention(nn.Module):
         self.kv_cache: CompressedKV | None = None  # KVCachePool binds this layer's blocks
 
     def kv_cache_spec(self, dtype: torch.dtype) -> CompressedAttentionSpec:
-        state = self.compressor.state_dim if self.compressor is not None else 0
-        index_state = self.indexer.compressor.state_dim if self.indexer is not None else 0
-        index_dim = self.indexer.dim if self.indexer is not None else 0
-        return CompressedAttentionSpec(
-            self.dim, state, index_dim, index_state, dtype, self.rate, self.row_group
-        )
+        """Its widths per token and per row (V4Config.token_widths, row_widths); the
+        pool keeps every layer's in one page per block (compressed_cache.py)."""
+        (kv, state, index_state), (row, index_key) = self.widths
+        return CompressedAttentionSpec(kv, state, index_state, row, index_key, self.rate)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         meta, cache = get_forward_context().meta, self.kv_cache
@@ -137,11 +134,11 @@ class V4Attention(nn.Module):
         out = torch.empty_like(q)
         for span in spans:
             picks = None if chosen is None else chosen[span.rows]
-            out[span.rows] = self.attend(q[span.rows], span, meta.block_tables[span.seq], picks)
+            out[span.rows] = self.attend(q[span.rows], span, meta, picks)
         return self.project(self.rope(out, positions, inverse=True))
 
     def attend(
-        self, q: torch.Tensor, span: SeqSpan, table: torch.Tensor, chosen: torch.Tensor | None
+        self, q: torch.Tensor, span: SeqSpan, meta: AttentionMetadata, chosen: torch.Tensor | None
     ) -> torch.Tensor:
         """One sequence's queries over its window's raw rows and its compressed rows."""
         cache, device = self.kv_cache, q.device
@@ -149,13 +146,13 @@ class V4Attention(nn.Module):
         block_size = cache.kv.shape[1]
         q_pos = span.positions(device)
         kv_pos = torch.arange(max(0, span.start - self.window + 1), span.end, device=device)
-        keys = read(cache.kv, slots(table, kv_pos, block_size))
+        keys = read(cache.kv, slots(meta.block_tables[span.seq], kv_pos, block_size))
         mask = window_mask(q_pos, kv_pos, self.window)
         if self.compressor is not None and span.end >= self.rate:
             assert cache.rows is not None
             num_rows = span.end // self.rate
             rows = torch.arange(num_rows, device=device)
-            where = row_slots(table, rows, self.rate, self.row_group, block_size, cache.rows)
+            where = row_slots(meta.row_tables[span.seq], rows, cache.rows)
             keys = torch.cat([keys, read(cache.rows, where)])
             rows_mask = (
                 visible_rows(q_pos, num_rows, self.rate)

@@ -56,13 +56,12 @@ class V4Indexer(nn.Module):
         rate: int,
         rope: PartialRope,
         eps: float,
-        group: int,
     ) -> None:
         super().__init__()
         self.heads, self.dim, self.topk, self.rate = heads, dim, topk, rate
         self.wq_b = nn.Linear(q_lora_rank, heads * dim, bias=False)
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
-        self.compressor = Compressor(hidden, dim, rate, True, rope, eps, group)
+        self.compressor = Compressor(hidden, dim, rate, True, rope, eps)
         self.rope = rope
 
     def forward(
@@ -84,9 +83,8 @@ class V4Indexer(nn.Module):
         m = self.rate
         for span in spans:
             num_rows = span.end // m
-            table, rows = meta.block_tables[span.seq], torch.arange(num_rows, device=x.device)
-            group = self.compressor.group
-            where = row_slots(table, rows, m, group, cache.kv.shape[1], cache.index_keys)
+            rows = torch.arange(num_rows, device=x.device)
+            where = row_slots(meta.row_tables[span.seq], rows, cache.index_keys)
             keys = read(cache.index_keys, where)
             scores = torch.relu(torch.matmul(q[span.rows].float(), keys.float().T)) * self.dim**-0.5
             scores = (scores * w[span.rows][..., None]).sum(dim=1)  # [n, rows]

@@ -7,12 +7,13 @@ so by returning none.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from engine.kv.kv_cache import CachedLayer
     from engine.layers.moe import Experts
 
 
@@ -34,6 +35,12 @@ class CausalLM(nn.Module):
         """Every layer the KV pool gives a paged cache, in the order it allocates
         them. Layers that serve only a draft (DeepSeek's MTP) are not among them."""
         raise NotImplementedError
+
+    def kv_cache_layers(self, block_size: int) -> list[CachedLayer]:
+        """What the KV pool sizes and binds, in order, for blocks of ``block_size``
+        tokens: the attention layers, or one object standing for them all
+        (DeepSeek-V4's pages, kv/compressed_cache.py)."""
+        return cast("list[CachedLayer]", self.attention_layers())
 
     def experts(self) -> list[Experts]:
         """The routed experts of every MoE layer; none for a dense model."""

@@ -12,10 +12,12 @@ skipped: this engine does not serve V4's MTP yet, and transformers ignores them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from engine.kv.compressed_cache import CompressedCacheLayers, CompressedLayer
 from engine.layers.hyper_connection import HyperConnection, HyperHead
 from engine.layers.moe import Experts
 from engine.layers.v4_attention import V4Attention
@@ -25,6 +27,9 @@ from engine.models.base import CausalLM, check_complete, copy_checked
 from engine.models.config import ModelConfig
 from engine.models.deepseek_v4_config import HASH_MOE, V4Config
 from engine.models.deepseek_v4_names import Target, target
+
+if TYPE_CHECKING:
+    from engine.kv.kv_cache import CachedLayer
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -63,7 +68,7 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     supports_cuda_graphs = False  # experts sized on the host, attention per sequence
-    reads_block_holes = True  # its window keeps group heads among holes (compressed_cache.py)
+    reads_block_holes = True  # holes where its window gave blocks back, and row blocks
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -92,6 +97,12 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def attention_layers(self) -> list[V4Attention]:
         return [layer.attn for layer in self.layers]
+
+    def kv_cache_layers(self, block_size: int) -> list[CachedLayer]:
+        """Every layer's cache as one, in pages a token block or a row block fills
+        (engine/kv/compressed_cache.py)."""
+        layers: list[CompressedLayer] = list(self.attention_layers())
+        return [CompressedCacheLayers(layers, self.v4.row_span(block_size))]
 
     def moe_layers(self) -> list[V4MoE]:
         """Every layer's MoE, hash-routed and top-k alike, in layer order."""

@@ -10,6 +10,7 @@ does not implement is refused here, naming its field.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
@@ -22,10 +23,6 @@ HASH_MOE, TOPK_MOE = "hash_moe", "moe"
 RATE_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # DeepSeek's compress_ratios
 DEFAULT_RATES = {CSA: 4, HCA: 128}
 SCORING = ("sqrtsoftplus", "sigmoid")
-# Compressed rows per token slot of a group head (engine/kv/compressed_cache.py):
-# the more, the longer a group and the less of each kept block goes unused.
-ROW_LANES = 4
-
 # Fields the engine implements one value of; another would run wrongly.
 FIXED = {
     "hidden_act": "silu",
@@ -72,11 +69,39 @@ class V4Config:
     moe_intermediate_size: int
     routed_scaling_factor: float
 
-    def row_group(self) -> int:
-        """Blocks per group in the paged cache: ROW_LANES times the smallest
-        compression rate, so a group's rows at that rate fill its first block."""
-        rates = [self.rate(i) for i in range(len(self.layer_types)) if self.rate(i)]
-        return ROW_LANES * min(rates) if rates else 1
+    def token_widths(self, layer: int) -> tuple[int, int, int]:
+        """Numbers a layer caches per token (engine/kv/compressed_cache.py): its K = V
+        row; its compressor's kv and gate, each twice head_dim wide under CSA's
+        overlapping units (compressor.py); the indexer's compressor's, likewise."""
+        kind = self.layer_types[layer]
+        lanes = 2 if kind == CSA else 1
+        state = 0 if kind == SLIDING else 2 * lanes * self.head_dim
+        index_state = 2 * 2 * self.index_head_dim if kind == CSA else 0
+        return self.head_dim, state, index_state
+
+    def row_widths(self, layer: int) -> tuple[int, int]:
+        """Numbers per compressed row: the row, and under CSA the indexer's key."""
+        kind = self.layer_types[layer]
+        if kind == SLIDING:
+            return 0, 0
+        return self.head_dim, self.index_head_dim if kind == CSA else 0
+
+    def row_span(self, block_size: int) -> int:
+        """Tokens whose compressed rows one row block holds, in every layer: a
+        multiple of the block size and of every rate (so each row block holds
+        whole rows at each rate, and ends where a token block ends), as many as
+        fit in a block's room for ``block_size`` tokens, and at least one such
+        multiple. 0 with no compressed layer."""
+        layers = range(len(self.layer_types))
+        rates = [self.rate(i) for i in layers if self.rate(i)]
+        if not rates:
+            return 0
+        unit = math.lcm(block_size, *rates)
+        room = block_size * sum(sum(self.token_widths(i)) for i in layers)
+        per_unit = sum(
+            sum(self.row_widths(i)) * (unit // self.rate(i)) for i in layers if self.rate(i)
+        )
+        return unit * max(1, room // per_unit)
 
     def window_tokens(self) -> int:
         """The last tokens whose blocks a request must keep: the attention window,

@@ -148,7 +148,9 @@ class ModelRunner:
         self.step_hidden_states: torch.Tensor | None = None  # every position's, for a drafter
         self.rank_experts.bind(self.model, self.stats, self.device)
         mtp = self._mtp_target()
-        layers = self.model.attention_layers() + (mtp.mtp_attention_layers() if mtp else [])
+        layers = self.model.kv_cache_layers(config.block_size) + (
+            mtp.mtp_attention_layers() if mtp else []
+        )
         self.kv_cache = KVCachePool(config, layers, self.device)
         self.max_model_len = self.kv_cache.max_model_len
         self.drafter = self._mtp_drafter(mtp)
@@ -317,6 +319,10 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             decode_query_len=q,
         )
+        if self.model.reads_block_holes:  # and its row blocks (engine/kv/compressed_cache.py)
+            row_tables = padded([item.row_table for item in items])
+            self.kv_cache.touch(max((b for t in row_tables for b in t), default=-1) + 1)
+            meta.row_tables = self._tensor(row_tables, torch.int32)
         sampling = [item for item in items if item.samples]
         return ModelInput(
             self._tensor(input_ids, torch.int64),
@@ -547,10 +553,14 @@ class ModelRunner:
 def tables_with_holes(items: list[ScheduledRequest]) -> tuple[list[list[int]], list[int]]:
     """Each sequence's whole block table, a window's holes (HOLE, -1) left where they
     are and padded with -1, and its real length once the step is done."""
-    tables = [list(item.block_table) for item in items]
-    width = max(len(table) for table in tables)
     ends = [item.num_computed_tokens + item.num_new_tokens for item in items]
-    return [table + [HOLE] * (width - len(table)) for table in tables], ends
+    return padded([item.block_table for item in items]), ends
+
+
+def padded(tables: list[list[int]]) -> list[list[int]]:
+    """The tables as rows of one width, padded with HOLE (-1)."""
+    width = max((len(table) for table in tables), default=0)
+    return [list(table) + [HOLE] * (width - len(table)) for table in tables]
 
 
 def kept_blocks(block_table: list[int], end: int, block_size: int) -> tuple[list[int], int]:

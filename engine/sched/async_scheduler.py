@@ -99,6 +99,7 @@ class AsyncScheduler(Scheduler):
         # The step runs while the scheduler goes on changing its own lists: the
         # step gets a block table of its own.
         item.block_table = list(item.block_table)
+        item.row_table = list(item.row_table)
         return item
 
     def must_sync(self) -> bool:

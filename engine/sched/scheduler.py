@@ -320,6 +320,7 @@ class Scheduler:
             start,
             seq.block_table,
             samples=samples,
+            row_table=seq.row_table,
             draft_token_ids=drafts.token_ids,
             output_token_ids=seq.output_token_ids if samples and seq.params.has_penalties else None,
             draft_probs=drafts.probs,

@@ -46,6 +46,8 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the cache: token_ids[0] sits at this position
     block_table: list[int]  # logical -> physical, or HOLE; the scheduler's own list (async: a copy)
     samples: bool  # does this step reach the request's last token, so that it samples after it?
+    # Its row blocks (DeepSeek-V4's compressed rows, Sequence.row_table); empty for other models.
+    row_table: list[int] = field(default_factory=list)
     # Proposed tokens, the tail of token_ids (only when samples): each is checked
     # against the token sampled at the position before it (sched/scheduler.py).
     draft_token_ids: list[int] = field(default_factory=list)

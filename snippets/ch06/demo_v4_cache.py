@@ -8,14 +8,14 @@ tokenizer. The engine serves it as it would a real checkpoint.
 
 One request runs a PROMPT-token prompt in chunks of CHUNK and a REPLY-token
 reply, stepped by hand so that after every step we can count the blocks it
-holds. At a few context lengths (each just after a prompt chunk, whose blocks
-it still holds) the demo prints those blocks beside what a cache keeping every
-token would hold, the bytes of the pool they are per token of context, and the
-bytes per token of a plain cache of the same width: one head_dim row per token
-and layer, every token kept. At the end it reads the pool itself: each part's
-bytes in a block, the compressed rows each layer has written, and the blocks the
-window gave back. Every count depends only on lengths, never on the random
-weights' choices.
+holds, token blocks and row blocks. At a few context lengths (each just after a
+prompt chunk, whose blocks it still holds) the demo prints those blocks beside
+what a cache keeping every token would hold, the bytes of the pool they are per
+token of context, and the bytes per token of a plain cache of the same width:
+one head_dim row per token and layer, every token kept. At the end it prints
+each part's bytes in a token block and in a row block, the compressed rows each
+layer wrote (watched as they are written), and the blocks the window gave back.
+Every count depends only on lengths, never on the random weights' choices.
 """
 
 from __future__ import annotations
@@ -23,11 +23,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from engine import LLM, SamplingParams
+from engine.layers import compressor
 from engine.sched.scheduler_output import HOLE
 from engine.utils import cdiv
 
@@ -63,8 +66,9 @@ def build(folder: Path) -> Path:
     return path
 
 
-def held_blocks(llm: LLM) -> dict[int, int]:
-    """Blocks the one request holds after each step, by tokens computed."""
+def held_blocks(llm: LLM) -> dict[int, tuple[int, int]]:
+    """(token blocks, row blocks) the one request holds after each step, by tokens
+    computed."""
     engine = llm.llm_engine
     prompt = [(7 * i) % 4000 + 50 for i in range(PROMPT)]
     engine.add_request("r", prompt, SamplingParams(max_tokens=REPLY, ignore_eos=True))
@@ -72,63 +76,100 @@ def held_blocks(llm: LLM) -> dict[int, int]:
     while engine.has_unfinished_requests():
         engine.step()
         for seq in engine.scheduler.running:
-            held[seq.num_computed_tokens] = sum(1 for b in seq.block_table if b != HOLE)
+            tokens = sum(1 for b in seq.block_table if b != HOLE)
+            held[seq.num_computed_tokens] = (tokens, len(seq.row_table))
     return held
 
 
-def rows_written(llm: LLM) -> list[int]:
-    """Per layer, the compressed rows in the pool: the non-zero rows of the blocks
-    it has handed out (each zeroed before its first use; only this request ran)."""
-    runner = llm.llm_engine.executor.model_runner
-    used = runner.kv_cache.num_touched_blocks
-    counts = []
-    for layer in runner.model.attention_layers():
-        rows = layer.kv_cache.rows
-        flat = None if rows is None else rows[:used].reshape(-1, rows.shape[-1])
-        counts.append(0 if flat is None else int(flat.ne(0).any(dim=1).sum()))
-    return counts
+@contextmanager
+def watching_rows(llm: LLM) -> Iterator[list[set[int]]]:
+    """Per layer, the slots of its row blocks that its compressor writes rows into,
+    gathered while the demo runs. (The pool cannot tell: a row block's page may
+    have been a token block before, and keeps that block's numbers until a row
+    is written over them.)"""
+    layers = llm.llm_engine.executor.model_runner.model.attention_layers()
+    seen: list[set[int]] = [set() for _ in layers]
+    write = compressor.write
+
+    def watched(cache: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+        for i, layer in enumerate(layers):
+            if cache is layer.kv_cache.rows:
+                seen[i].update(where.tolist())
+        write(cache, where, values)
+
+    compressor.write = watched
+    try:
+        yield seen
+    finally:
+        compressor.write = write
+
+
+def part_bytes(spec, span: int) -> list[int]:
+    """Bytes of kv, state and indexer state in a token block, then of rows and
+    indexer keys in a row block, for one layer's spec."""
+    token_parts = (spec.head_dim, spec.state_dim, spec.index_state_dim)
+    rows = span // spec.rate if spec.rate else 0
+    numbers = [BLOCK * w for w in token_parts] + [rows * spec.row_dim, rows * spec.index_key_dim]
+    return [n * 4 for n in numbers]  # float32
 
 
 def main() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(build(Path(tmp)), dtype="float32", block_size=BLOCK,
                   max_num_batched_tokens=CHUNK, num_kv_blocks=64)  # fmt: skip
-        held = held_blocks(llm)
-        rows = rows_written(llm)
-    group = llm.llm_engine.config.kv_row_group
+        with watching_rows(llm) as seen:
+            held = held_blocks(llm)
+        rows = [len(slots) for slots in seen]
+    span = llm.llm_engine.config.kv_row_span
     pool = llm.llm_engine.executor.model_runner.kv_cache
     block_bytes = pool.block_bytes()
-    plain = len(LAYERS) * pool.specs[0].head_dim * 4  # float32, every token kept
+    [spec] = pool.specs  # every layer's parts, in one page per block
+    plain = len(LAYERS) * spec.layers[0].head_dim * 4  # float32, every token kept
     print(f"blocks of {BLOCK} tokens, {block_bytes} bytes each")
-    print(f"row group: {group} blocks; window: {WINDOW} tokens")
-    print(f"{'context':>8}{'held':>6}{'every token':>13}{'bytes/token':>13}{'plain':>7}")
-    results: dict = {"block": BLOCK, "group": group, "window": WINDOW, "prompt": PROMPT}
+    print(f"row span: {span} tokens; window: {WINDOW} tokens")
+    print(
+        f"{'context':>8}{'tokens':>8}{'rows':>6}{'every token':>13}{'bytes/token':>13}{'plain':>7}"
+    )
+    results: dict = {"block": BLOCK, "span": span, "window": WINDOW, "prompt": PROMPT}
     for n in CHECKPOINTS:
-        per_token = round(held[n] * block_bytes / n)
-        print(f"{n:>8}{held[n]:>6}{cdiv(n, BLOCK):>13}{per_token:>13}{plain:>7}")
-        results |= {f"held_{n}": held[n], f"every_{n}": cdiv(n, BLOCK), f"bytes_{n}": per_token}
-    limit = block_bytes // (group * BLOCK)  # one head per group, nothing else
-    print(f"in the limit, a head per group: {limit} bytes/token")
+        tokens, row_blocks = held[n]
+        per_token = round((tokens + row_blocks) * block_bytes / n)
+        print(f"{n:>8}{tokens:>8}{row_blocks:>6}{cdiv(n, BLOCK):>13}{per_token:>13}{plain:>7}")
+        results |= {
+            f"tokens_{n}": tokens,
+            f"rows_{n}": row_blocks,
+            f"held_{n}": tokens + row_blocks,
+            f"every_{n}": cdiv(n, BLOCK),
+            f"bytes_{n}": per_token,
+        }
+    limit = block_bytes // span  # one row block per span, nothing else
+    print(f"in the limit, a row block per span: {limit} bytes/token")
     computed = PROMPT + REPLY - 1  # the reply's last token is sampled, never run
-    print("bytes in a block: raw rows, compressor state, rows,")
-    print("indexer state and keys; rows written in all")
-    print(f"{'':<9}{'raw':>6}{'state':>7}{'rows':>6}{'istate':>7}{'ikeys':>6}{'written':>9}")
-    for kind, spec, count in zip(LAYERS, pool.specs, rows):
-        size = [n * width * spec.dtype.itemsize for n, width in spec.parts(BLOCK)]
-        widths = (6, 7, 6, 7, 6)
+    print("bytes in a token block: raw rows, compressor")
+    print("state, indexer state; in a row block: rows,")
+    print("indexer keys; and the rows written in all")
+    print(f"{'':<9}{'raw':>6}{'state':>7}{'istate':>7}{'rows':>6}{'ikeys':>6}{'written':>9}")
+    for kind, layer_spec, count in zip(LAYERS, spec.layers, rows):
+        size = part_bytes(layer_spec, span)
+        widths = (6, 7, 7, 6, 6)
         print(
             f"{SHORT[kind]:<9}" + "".join(f"{b:>{w}}" for b, w in zip(size, widths)) + f"{count:>9}"
         )
+    token_bytes = sum(sum(part_bytes(s, span)[:3]) for s in spec.layers)
+    row_bytes = sum(sum(part_bytes(s, span)[3:]) for s in spec.layers)
+    print(f"parts of a token block: {token_bytes} bytes")
+    print(f"parts of a row block: {row_bytes} bytes")
     print(f"tokens computed: {computed}")
     print(f"blocks the window gave back: {llm.stats.window_freed_blocks}")
     return results | {
-        "most": max(held.values()),
+        "most": max(sum(h) for h in held.values()),
         "rows_sliding": rows[0],
         "rows_csa": rows[1],
         "rows_hca": rows[2],
         "freed": llm.stats.window_freed_blocks,
         "block_bytes": block_bytes,
-        "slot_bytes": block_bytes // BLOCK,
+        "token_bytes": token_bytes,
+        "row_bytes": row_bytes,
         "plain_bytes": plain,
         "limit_bytes": limit,
         "computed": computed,

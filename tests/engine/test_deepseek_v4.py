@@ -173,10 +173,11 @@ REGIMES = {
     "block-64": {"block_size": 64},
     # 13-token chunks: their boundaries fall inside CSA's 4-token and HCA's windows
     "chunked-prefill": {"max_num_batched_tokens": 13, "block_size": 4},
-    # 8 blocks of 16: the longest request fits alone, but four running at once,
-    # each with its window's blocks and a group head, do not
-    "preemption": {"num_kv_blocks": 8, "block_size": 16, "max_num_batched_tokens": 32},
-    "prefix-hits": {"max_num_seqs": 1, "block_size": 4},
+    # 6 blocks of 16: the longest request fits alone, but four running at once,
+    # each with its window's token blocks and a row block, do not
+    "preemption": {"num_kv_blocks": 6, "block_size": 16, "max_num_batched_tokens": 32},
+    # blocks of 2: row spans of 36 to 48 tokens, shorter than the prompts' shared 68
+    "prefix-hits": {"max_num_seqs": 1, "block_size": 2},
     "async-chunked": {"async_scheduling": True, "max_num_batched_tokens": 13, "block_size": 4},
 }
 
@@ -197,16 +198,22 @@ def test_greedy_tokens_match_transformers(v4, reference, regime) -> None:
         assert stats.prefix_cache_hit_tokens > 0, stats
 
 
-def one_sequence(n: int, context: int, block_size: int = 16) -> AttentionMetadata:
-    """The last n of ``context`` tokens of one sequence, in blocks 0, 1, ..."""
+def one_sequence(n: int, context: int, llm: LLM) -> AttentionMetadata:
+    """The last n of ``context`` tokens of one sequence, in token blocks 0, 1, ...
+    of llm's pool, and its row blocks counted down from the pool's last block."""
+    config, pool = llm.llm_engine.config, llm.llm_engine.executor.model_runner.kv_cache
+    token_blocks = cdiv(context, config.block_size)
+    row_blocks = [pool.num_blocks - 1 - j for j in range(cdiv(context, config.kv_row_span))]
+    assert token_blocks <= row_blocks[-1], "the pool holds both tables"
     return AttentionMetadata(
         slot_mapping=torch.arange(context - n, context),
-        block_tables=torch.arange(cdiv(context, block_size), dtype=torch.int32)[None],
+        block_tables=torch.arange(token_blocks, dtype=torch.int32)[None],
         context_lens=torch.tensor([context], dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
         num_decodes=int(n == 1),
         context_lens_cpu=[context],
         query_lens_cpu=[n],
+        row_tables=torch.tensor([row_blocks], dtype=torch.int32),
     )
 
 
@@ -222,7 +229,7 @@ def test_logits_within_1e4_of_transformers(v4) -> None:
         expected = hf(ids[None]).logits[0]
     got = []
     for start, end in ((0, 37), (37, 67), (67, 68)):
-        meta = one_sequence(end - start, end)
+        meta = one_sequence(end - start, end, llm)
         positions = torch.arange(start, end)
         hidden = run(runner, meta, lambda: model(ids[start:end], positions))  # noqa: B023
         got.append(model.compute_logits(hidden))
@@ -243,22 +250,23 @@ def test_sparsity_changes_the_output(v4_csa, tmp_path) -> None:
     assert sum(d != r for d, r in zip(dense, reference)) >= 1, (dense, reference)
 
 
-def test_prefix_hits_are_whole_row_groups(v4) -> None:
-    """A second prompt shares 70 tokens with the first. The first block of every
-    group of 16 blocks (ROW_LANES 4 times CSA's rate 4) holds the group's compressed
-    rows, written until the group is full, so the prefix cache hits whole groups
-    only: 64 of the 68 tokens in whole blocks of 4. The hit ends inside a window
-    of the HCA layer at rate 12, whose rows then close from compressor states read
-    from cached blocks. Each prompt runs alone on one engine; the cache's hash
-    namespace names the grouping, so no other layout's blocks can match."""
+def test_prefix_hits_are_whole_row_spans(v4) -> None:
+    """A second prompt shares 70 tokens with the first. A row block holds the
+    compressed rows of one span of kv_row_span tokens (36 to 48 here, in blocks of
+    2), written until the span is full, so the prefix cache hits whole spans
+    only. The hit ends inside a window of an HCA layer, whose rows then close from
+    compressor states read from cached blocks. Each prompt runs alone on one
+    engine; the cache's hash namespace names the span, so no other layout's
+    blocks can match."""
     name, path, hf = v4
     first = PREFIX + [5, 6]
     second = PREFIX + [5, 6, 7, 8, 9]
-    tokens, llm = generate(path, [first], block_size=4, max_num_seqs=1)
+    tokens, llm = generate(path, [first], block_size=2, max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     out = llm.generate([second], params, use_tqdm=False)[0].token_ids
-    assert llm.stats.prefix_cache_hit_tokens == 64, llm.stats
-    assert llm.llm_engine.config.model_identity.endswith(":row-groups-of-16")
+    span = llm.llm_engine.config.kv_row_span
+    assert 0 < llm.stats.prefix_cache_hit_tokens == 70 // span * span, (span, llm.stats)
+    assert llm.llm_engine.config.model_identity.endswith(f":row-spans-of-{span}")
     assert [tokens[0], out] == [hf_greedy(hf, first, MAX_TOKENS), hf_greedy(hf, second, MAX_TOKENS)]
 
 
@@ -297,7 +305,7 @@ def test_indexer_keeps_the_rows_transformers_keeps(v4_csa) -> None:
             layer.attn.indexer.register_forward_hook(
                 lambda mod, args, out, i=i: seen.__setitem__(i, out)  # noqa: B023
             )
-    meta = one_sequence(len(ids), len(ids))
+    meta = one_sequence(len(ids), len(ids), llm)
     run(runner, meta, lambda: runner.model(ids, torch.arange(len(ids))))
     assert sorted(seen) == sorted(expected) and seen
     for i, ours in seen.items():
@@ -316,7 +324,11 @@ def layer_inputs(llm: LLM, ids: torch.Tensor) -> list[torch.Tensor]:
         layer.register_forward_pre_hook(lambda mod, args: seen.append(args[1]))
         for layer in runner.model.layers
     ]
-    run(runner, one_sequence(len(ids), len(ids)), lambda: runner.model(ids, torch.arange(len(ids))))
+    run(
+        runner,
+        one_sequence(len(ids), len(ids), llm),
+        lambda: runner.model(ids, torch.arange(len(ids))),
+    )
     for hook in hooks:
         hook.remove()
     return seen
@@ -397,7 +409,7 @@ def held_blocks_while_generating(llm: LLM, prompt: list[int], n: int) -> list[tu
     while engine.has_unfinished_requests():
         engine.step()
         for seq in engine.scheduler.running:
-            blocks = sum(1 for b in seq.block_table if b != HOLE)
+            blocks = sum(1 for b in seq.block_table if b != HOLE) + len(seq.row_table)
             held.append((seq.num_computed_tokens, blocks))
     return held
 
@@ -405,31 +417,31 @@ def held_blocks_while_generating(llm: LLM, prompt: list[int], n: int) -> list[tu
 def test_blocks_grow_at_the_compressed_rate(tmp_path) -> None:
     """A 4,000-token sequence (a 3,900-token prompt in chunks of 64, then 100
     generated) runs in a pool of 100 blocks of 4, room for 400 tokens at the token
-    rate: the blocks a request holds grow by one per row group (16 blocks of 4
-    here: ROW_LANES times CSA's rate), not one per block of tokens, at every step
-    of prefill and decode alike. Bytes per token from the pool, beside a dense MLA
-    cache of the same width (one head_dim row per token and layer, every token kept)."""
+    rate: the blocks a request holds grow by one row block per row span (96 tokens
+    here), not one per block of tokens, at every step of prefill and decode
+    alike. Bytes per token from the pool, beside a dense MLA cache of the same
+    width (one head_dim row per token and layer, every token kept)."""
     build(tmp_path, "three-types", max_position_embeddings=4096)
     llm = LLM(tmp_path, dtype="float32", block_size=4, num_kv_blocks=100,
               max_num_batched_tokens=64)  # fmt: skip
     assert llm.llm_engine.max_model_len >= 4000 > 100 * 4
     prompt = (PROMPTS[3] * 100)[:3900]
     held = held_blocks_while_generating(llm, prompt, 100)
-    group = llm.llm_engine.config.kv_row_group
+    span = llm.llm_engine.config.kv_row_span
     cfg = llm.llm_engine.config.hf_config
     assert held[-1][0] == 3998  # recorded while running: all but the last two tokens
     steady = held[2:]  # once the window's blocks before the chunk are there
     for (t0, b0), (t1, b1) in zip(steady, steady[8:]):  # growth over 8 steps at a time
-        assert b1 - b0 <= (t1 - t0) // (4 * group) + 2, (t0, b0, t1, b1)
-    t1, b1 = held[-1]  # decoding: every group's head, and the window's blocks
+        assert b1 - b0 <= (t1 - t0) // span + 2, (t0, b0, t1, b1)
+    t1, b1 = held[-1]  # decoding: every span's row block, and the window's token blocks
     window = cdiv(cfg.v4.window_tokens(), 4) + 1
-    assert cdiv(t1, 4 * group) <= b1 <= cdiv(t1, 4 * group) + window, (t1, b1)
+    assert cdiv(t1, span) <= b1 <= cdiv(t1, span) + window, (t1, b1)
     pool = llm.llm_engine.executor.model_runner.kv_cache
     ours = b1 * pool.block_bytes() / t1
     dense_mla = cfg.num_hidden_layers * cfg.head_dim * 4  # float32
     print(
         f"\n{t1} tokens: {b1} blocks held ({cdiv(t1, 4)} at the token rate); "
-        f"{ours:.0f} bytes/token from the pool, {pool.block_bytes() / (4 * group):.0f} in the "
+        f"{ours:.0f} bytes/token from the pool, {pool.block_bytes() / span:.0f} in the "
         f"limit; dense MLA of the same width {dense_mla} bytes/token"
     )
     assert ours < dense_mla
@@ -484,7 +496,7 @@ def test_bfloat16_matches_transformers(three_types) -> None:
     runner, ids = llm.llm_engine.executor.model_runner, torch.tensor(PROMPTS[3])
     with torch.no_grad():
         expected = hf(ids[None]).logits[0, -1].float()
-    meta = one_sequence(len(ids), len(ids), block_size=8)
+    meta = one_sequence(len(ids), len(ids), llm)
     hidden = run(runner, meta, lambda: runner.model(ids, torch.arange(len(ids))))
     got = runner.model.compute_logits(hidden)[-1].float()
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
@@ -516,23 +528,26 @@ def test_deepseek_native_names_and_mtp_tensors_load(three_types, tmp_path) -> No
         LLM(folder, dtype="float32")
 
 
-def test_a_group_head_is_never_found_behind_another_groups_tokens(three_types) -> None:
-    """A and B share 72 tokens (group 0 and two blocks of group 1), then differ; C
-    repeats B. Were blocks named by their own tokens, C would find A's group-1
-    head (its rows pooled from A's tokens) followed by B's blocks. Named by their
-    group's tokens, C hits B's two whole groups, and its tokens are transformers'."""
+def test_a_row_block_is_never_found_behind_another_spans_tokens(three_types) -> None:
+    """A and B share 72 tokens (row span 0 of 48 tokens, in blocks of 2, and half of
+    span 1), then differ; C repeats B. Were row blocks named by their own span's
+    tokens, or by its first block's, C would find A's span-1 row block (its rows
+    pooled from A's tokens) behind B's token blocks. Named by the chain through
+    their span's last block, C hits B's two whole spans, and its tokens are
+    transformers'."""
     _, path, hf = three_types
     g = torch.Generator().manual_seed(5)
     shared, tail_a, tail_b = (
         torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (72, 56, 56)
     )
     prompts = [shared + tail_a + [7], shared + tail_b + [7], shared + tail_b + [9, 10]]
-    llm = LLM(path, dtype="float32", block_size=4, max_num_seqs=1)
+    llm = LLM(path, dtype="float32", block_size=2, max_num_seqs=1)
+    span = llm.llm_engine.config.kv_row_span
     params = SamplingParams(temperature=0, max_tokens=4)
     outs, hits = [], []
     for prompt in prompts:
         before = llm.stats.prefix_cache_hit_tokens
         outs.append(llm.generate([prompt], params, use_tqdm=False)[0].token_ids)
         hits.append(llm.stats.prefix_cache_hit_tokens - before)
-    assert hits == [0, 64, 128]
+    assert span == 48 and hits == [0, 48, 96]
     assert outs == [hf_greedy(hf, p, 4) for p in prompts]
