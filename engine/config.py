@@ -229,13 +229,19 @@ class EngineConfig:
         for name, unsupported in (
             ("kv_window", self.kv_window is not None),
             ("kv_store", self.kv_store is not None),
-            ("speculative_config", self.speculative_config is not None),
         ):
             if unsupported:
                 raise ValueError(
                     f"{name} is not supported on DeepSeek-V4 yet: V4 keeps its own sliding "
                     "window and compressor state in the paged cache, read by position"
                 )
+        spec = self.speculative_config
+        if spec is not None and spec.method not in ("ngram", "mtp"):
+            raise ValueError(
+                f"speculative_config method {spec.method!r} is not supported on DeepSeek-V4 "
+                "yet: its drafts come from another model, whose cache is not V4's "
+                "(ngram and mtp are)"
+            )
         self.kv_window = (0, v4.window_tokens())
 
     @property

@@ -73,9 +73,9 @@ ALLOWED_NUMBERS: dict[tuple[str, str], str] = {
 }
 
 NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(%?)(?![\w])")
-LABEL = re.compile(
-    r"\b(?:Experiments?|Chapters?|Exercises?|Figures?|Tables?|Appendix|§)"
-    r"\s*\d+(?:\.\d+)?(?:\s*(?:–|-|to|and|,|or)\s*\d+(?:\.\d+)?)*"
+LABEL = re.compile(  # § has no word boundary before it: it is not a word character
+    r"(?:\b(?:Experiments?|Chapters?|Exercises?|Figures?|Tables?|Appendix)|§)"
+    r"\s*\d+(?:\.\d+)*(?:\s*(?:–|-|to|and|,|or)\s*§?\d+(?:\.\d+)*)*"
 )
 YEAR = re.compile(r"\b(?:19[5-9]\d|20[0-4]\d)\b")
 FENCED = re.compile(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2[ \t]*$", re.M | re.S)

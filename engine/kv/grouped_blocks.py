@@ -6,7 +6,7 @@ gives back as the request runs; and its compressed rows in row blocks, one per
 ``row_span`` tokens, which it keeps. Both come from one free list. So, beside
 BlockManager's token table, each request has a ``row_table``, and:
 
-- allocate, can_admit and free count and move both tables' blocks;
+- allocate, can_admit, free and free_tail count and move both tables' blocks;
 - the prefix cache names token blocks as BlockManager does, and a row block by
   the name of the last token block of its span: its rows depend on the tokens up
   to there. A row block is published once its span is computed, so a hit covers
@@ -98,6 +98,15 @@ class GroupedBlockManager(BlockManager):
             self._release(block_id)
         seq.row_table.clear()
         super().free(seq)
+
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back both tables' blocks past the first ``num_tokens`` tokens (the
+        scheduler's rollback of rejected drafts)."""
+        super().free_tail(seq, num_tokens)
+        keep = self.row_blocks_needed(num_tokens)
+        for block_id in seq.row_table[keep:]:
+            self._release(block_id)  # never published: its span is not computed
+        del seq.row_table[keep:]
 
     def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Publish the full token blocks (BlockManager), then the row block of every

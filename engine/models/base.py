@@ -46,6 +46,30 @@ class CausalLM(nn.Module):
         """The routed experts of every MoE layer; none for a dense model."""
         return []
 
+    # A DeepSeek model's multi-token prediction module, as the MTP drafter uses it
+    # (engine/spec_decode/mtp.py). Models without one keep these defaults.
+
+    def has_mtp(self) -> bool:
+        """Whether the model holds an MTP module with its weights, to draft with."""
+        return False
+
+    def mtp_attention_layers(self) -> list[CachedLayer]:
+        """What the MTP module caches, for the pool to size and bind beside
+        kv_cache_layers; nothing for a model without one."""
+        return []
+
+    def mtp_hidden_states(
+        self, positions: torch.Tensor, hidden: torch.Tensor, next_token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module over rows of (forward's output at position i, token i+1): the
+        state draft_logits turns into token i+2's logits, and the module's output
+        that a further draft starts from, shaped as ``hidden``."""
+        raise NotImplementedError(f"{type(self).__name__} has no MTP module")
+
+    def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of mtp_hidden_states' first result."""
+        return self.compute_logits(normed)
+
 
 class DecoderLayer(nn.Module):
     """One pre-norm transformer layer. Subclasses build ``self_attn``, ``mlp`` and

@@ -103,7 +103,7 @@ class ModelConfig:
         """The routed experts' layout; None for a model without them."""
         if self.v4 is not None:
             hashed = [i for i, kind in enumerate(self.v4.mlp_layer_types) if kind == HASH_MOE]
-            n = self.num_hidden_layers
+            n = self.num_hidden_layers + self.num_mtp_layers  # MTP modules: top-k MoE
             return RoutedExperts(n, self.v4.num_experts, 1, tuple(hashed))
         if self.moe is None:
             return None
@@ -149,7 +149,9 @@ class ModelConfig:
             eos_token_ids=_eos_ids(path, raw),
             mla=_mla(raw, dsa is not None) if deepseek else None,
             moe=_moe(raw) if deepseek else None,
-            num_mtp_layers=_mtp_layers(path, raw) if deepseek and dsa is None else 0,
+            num_mtp_layers=_mtp_layers(path, raw, "model.layers.{n}.")
+            if deepseek and dsa is None
+            else 0,
             dsa=dsa,
         )
 
@@ -174,6 +176,7 @@ class ModelConfig:
             attention_bias=False,
             qk_norm=False,
             eos_token_ids=_eos_ids(path, raw),
+            num_mtp_layers=_mtp_layers(path, raw, "mtp.0.", "model.mtp.0."),
             v4=v4,
         )
 
@@ -308,19 +311,21 @@ def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
-def _mtp_layers(path: Path, raw: dict) -> int:
-    """The MTP modules the checkpoint holds. transformers' DeepseekV3Config says
-    num_nextn_predict_layers=1 by default, but its model saves no MTP weights: a
-    checkpoint saved by transformers is served without MTP, and the log says so."""
+def _mtp_layers(path: Path, raw: dict, *first: str) -> int:
+    """The MTP modules the checkpoint holds, found by the names ``first`` of the
+    first module's tensors ({n}: num_hidden_layers). transformers' DeepseekV3Config
+    and DeepseekV4Config say num_nextn_predict_layers=1 by default, but their
+    models save no MTP weights: such a checkpoint is served without MTP, and the
+    log says so."""
     wanted = raw.get("num_nextn_predict_layers", 0)
     if wanted == 0:
         return 0
-    first = f"model.layers.{raw['num_hidden_layers']}."
-    if any(name.startswith(first) for name in tensor_names(path)):
+    prefixes = tuple(f.format(n=raw["num_hidden_layers"]) for f in first)
+    if any(name.startswith(prefixes) for name in tensor_names(path)):
         return wanted
     logger.warning(
         "DeepInfer: %s declares %d MTP layer(s) but holds no MTP weights (as transformers "
-        "saves DeepSeek-V3); serving it without MTP",
+        "saves DeepSeek-V3 and V4); serving it without MTP",
         path,
         wanted,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from engine.layers.moe import Experts, GatedMLP, MoE
 from engine.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
 from engine.models.base import CausalLM, DecoderLayer, check_complete, copy_checked, never_loaded
 from engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.kv.kv_cache import CachedLayer
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' default, not the config's
 
@@ -229,7 +232,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         get blocks only from something that drafts with them (mtp_attention_layers)."""
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def mtp_attention_layers(self) -> list[MLAAttention]:
+    def has_mtp(self) -> bool:
+        return len(self.model.mtp) > 0
+
+    def mtp_attention_layers(self) -> list[CachedLayer]:
         """The MTP modules' attention: each needs a paged cache of its own to draft."""
         return [layer.self_attn.attn for layer in self.model.mtp]
 

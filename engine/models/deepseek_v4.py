@@ -5,13 +5,16 @@ top-k (engine/layers/v4_moe.py).
 
 Weights are read by DeepSeek's own names (layers.N.attn.wq_a, .ffn.experts.E.w1,
 hc_head_fn, embed, head), with or without a leading ``model.``, which is what
-transformers' save_pretrained writes too. The MTP module's tensors (``mtp.``) are
-skipped: this engine does not serve V4's MTP yet, and transformers ignores them.
+transformers' save_pretrained writes too. The MTP module's tensors (``mtp.0.``),
+which transformers neither builds nor saves, load into DeepseekV4MTP when the
+checkpoint has them (ModelConfig.num_mtp_layers), to draft with
+(engine/spec_decode/mtp.py); without them, the model has no MTP module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +69,38 @@ class DeepseekV4DecoderLayer(nn.Module):
         return HyperConnection.expand(streams, out, post, comb)
 
 
+class DeepseekV4MTP(DeepseekV4DecoderLayer):
+    """DeepSeek-V4's multi-token prediction module (checkpoint names mtp.N.*): from
+    the main model's last streams at position i and token i+1, the streams whose
+    logits are token i+2's. Each input is normed (hnorm per stream, enorm) and
+    projected (h_proj, e_proj; the token's projection is added to every stream),
+    then one whole V4 layer runs, a sliding window and top-k MoE
+    (V4Config.with_mtp_layer), and the module's own hyper-head and norm collapse
+    the streams for the model's head. The embedding and head are the model's."""
+
+    def __init__(self, cfg: ModelConfig, v4: V4Config, index: int) -> None:
+        super().__init__(replace(cfg, v4=v4), v4, index)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm, self.hnorm = Float32RMSNorm(hidden, eps), Float32RMSNorm(hidden, eps)
+        self.e_proj = nn.Linear(hidden, hidden, bias=False)
+        self.h_proj = nn.Linear(hidden, hidden, bias=False)
+        self.hc_head = HyperHead(v4.hc_mult, hidden, v4.hc_eps, eps)
+        self.norm = Float32RMSNorm(hidden, eps)
+
+    def predict(
+        self,
+        positions: torch.Tensor,
+        streams: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        next_embeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [tokens, hc_mult, hidden] -> the normed state the head turns into
+        logits, and the module's output streams (what a further draft starts from)."""
+        x = self.e_proj(self.enorm(next_embeds))[:, None] + self.h_proj(self.hnorm(streams))
+        x = self(positions, x, next_token_ids)
+        return self.norm(self.hc_head(x)), x
+
+
 class DeepseekV4ForCausalLM(CausalLM):
     supports_cuda_graphs = False  # experts sized on the host, attention per sequence
     reads_block_holes = True  # holes where its window gave blocks back, and row blocks
@@ -84,16 +119,40 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.hc_head = HyperHead(v4.hc_mult, hidden, v4.hc_eps, cfg.rms_norm_eps)
         self.norm = Float32RMSNorm(hidden, cfg.rms_norm_eps)
         self.head = nn.Linear(hidden, cfg.vocab_size, bias=False)
+        n, mtp = cfg.num_hidden_layers, v4.with_mtp_layer()
+        self.mtp = nn.ModuleList(
+            DeepseekV4MTP(cfg, mtp, n) for _ in range(min(cfg.num_mtp_layers, 1))
+        )  # DeepSeek ships one; a second would need a config of its own
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The last layer's streams, flattened to [tokens, hc_mult * hidden]: an MTP
+        module starts from them, and compute_logits collapses them."""
         x = self.embed(input_ids)
         streams = x[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(positions, streams, input_ids)
-        return self.norm(self.hc_head(streams))
+        return streams.flatten(1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
+        streams = hidden.unflatten(-1, (self.v4.hc_mult, -1))
+        return self.head(self.norm(self.hc_head(streams)))
+
+    def has_mtp(self) -> bool:
+        return len(self.mtp) > 0
+
+    def mtp_hidden_states(
+        self, positions: torch.Tensor, hidden: torch.Tensor, next_token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module over rows of (the main streams at i, token i+1): its normed
+        state (draft_logits of it are token i+2's logits) and its output streams,
+        flattened as forward's are."""
+        streams = hidden.unflatten(-1, (self.v4.hc_mult, -1))
+        embeds = self.embed(next_token_ids)
+        normed, out = self.mtp[0].predict(positions, streams, next_token_ids, embeds)
+        return normed, out.flatten(1)
+
+    def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.head(normed)
 
     def attention_layers(self) -> list[V4Attention]:
         return [layer.attn for layer in self.layers]
@@ -104,9 +163,16 @@ class DeepseekV4ForCausalLM(CausalLM):
         layers: list[CompressedLayer] = list(self.attention_layers())
         return [CompressedCacheLayers(layers, self.v4.row_span(block_size))]
 
+    def mtp_attention_layers(self) -> list[CachedLayer]:
+        """The MTP module's sliding window, as a cache of its own in the pool: token
+        blocks only, at the main cache's block ids."""
+        layers: list[CompressedLayer] = [module.attn for module in self.mtp]
+        return [CompressedCacheLayers(layers, 0)] if layers else []
+
     def moe_layers(self) -> list[V4MoE]:
-        """Every layer's MoE, hash-routed and top-k alike, in layer order."""
-        return [layer.ffn for layer in self.layers]
+        """Every layer's MoE, hash-routed and top-k alike, in layer order, then the
+        MTP module's."""
+        return [layer.ffn for layer in (*self.layers, *self.mtp)]
 
     def experts(self) -> list[Experts]:
         return [moe.experts for moe in self.moe_layers()]
@@ -120,7 +186,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     def wants_weight(self, name: str) -> bool:
         """False for a routed expert's tensor no slot of this rank holds (and for
         what is never loaded), so that the loader never reads it."""
-        where = target(name)
+        where = self._target(name)
         if where is None or where.expert is None:
             return where is not None
         return bool(self.get_submodule(where.param.rsplit(".", 1)[0]).slots_of(where.expert))
@@ -136,7 +202,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             params = {n: p for n, p in params.items() if ".experts." in n}
         filled = dict.fromkeys(params, 0)
         for name, tensor in weights:
-            where = target(name)
+            where = self._target(name)
             if where is None or (only_experts and where.expert is None):
                 continue
             if where.param not in params:
@@ -145,6 +211,14 @@ class DeepseekV4ForCausalLM(CausalLM):
                 copy_checked(name, dest, tensor)
                 filled[where.param] += dest.numel()
         check_complete(sorted(n for n, p in params.items() if filled[n] != p.numel()))
+
+    def _target(self, name: str) -> Target | None:
+        """Where a checkpoint tensor goes; None for an MTP tensor when the model has
+        no MTP module (ModelConfig.num_mtp_layers says why)."""
+        where = target(name)
+        if where is not None and where.param.startswith("mtp.") and not self.mtp:
+            return None
+        return where
 
     def _destinations(self, where: Target, data: torch.Tensor) -> list[torch.Tensor]:
         """The parts of ``data`` one checkpoint tensor fills: for a routed expert,

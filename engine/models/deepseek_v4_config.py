@@ -11,7 +11,7 @@ does not implement is refused here, naming its field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 SLIDING, CSA, HCA = (
@@ -68,6 +68,15 @@ class V4Config:
     top_k: int
     moe_intermediate_size: int
     routed_scaling_factor: float
+
+    def with_mtp_layer(self) -> V4Config:
+        """This config with one more layer, an MTP module's: DeepSeek's release gives
+        it compress ratio 0 (a sliding window alone) and top-k routing."""
+        return replace(
+            self,
+            layer_types=(*self.layer_types, SLIDING),
+            mlp_layer_types=(*self.mlp_layer_types, TOPK_MOE),
+        )
 
     def token_widths(self, layer: int) -> tuple[int, int, int]:
         """Numbers a layer caches per token (engine/kv/compressed_cache.py): its K = V

@@ -45,12 +45,12 @@ class Target(NamedTuple):
 
 def target(name: str) -> Target | None:
     """The engine's parameter (and part) for checkpoint tensor ``name``; None for a
-    tensor it does not load (the MTP module's, rotary caches)."""
+    tensor it does not load (rotary caches)."""
     name = name.removeprefix("model.")
-    if name.startswith("mtp.") or "rotary_emb" in name:
+    if "rotary_emb" in name:
         return None
     name = RENAMES.get(name, name)
-    name = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", name)
+    name = re.sub(r"\.hc_(attn|ffn|head)_(fn|base|scale)$", r".hc_\1.\2", name)
     expert = re.search(r"\.experts\.(\d+)\.(w[123])\.weight$", name)
     if expert:
         proj = PROJ[expert[2]]

@@ -34,7 +34,7 @@ from engine.layers.sampler import (
     adjust_logits,
     compute_logprobs,
 )
-from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.base import CausalLM
 from engine.models.loader import load_model
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode, can_compile
@@ -177,12 +177,12 @@ class ModelRunner:
         # At most one of the two: graphs need CUDA, the compiled decode a CPU.
         self.fast_path: DecodeFastPath | None = self.graphs or self.compiled
 
-    def _mtp_target(self) -> DeepseekV3ForCausalLM | None:
+    def _mtp_target(self) -> CausalLM | None:
         """The model, if the engine drafts with its MTP module (spec_decode/mtp.py)."""
         spec = self.config.speculative_config
         return mtp_target(self.model) if spec is not None and spec.method == "mtp" else None
 
-    def _mtp_drafter(self, mtp: DeepseekV3ForCausalLM | None) -> MTPProposer | None:
+    def _mtp_drafter(self, mtp: CausalLM | None) -> MTPProposer | None:
         """The MTP drafter over the pool, which holds its module's cache too."""
         if mtp is None:
             return None

@@ -1,7 +1,8 @@
-"""DeepSeek-V3's multi-token prediction (MTP) module as a draft proposer.
+"""DeepSeek's multi-token prediction (MTP) module as a draft proposer.
 
 The module predicts token i+2 from the main model's last hidden state h_i at
-position i and token i+1 (engine/models/deepseek_v3.py). Those hidden states
+position i and token i+1 (DeepSeek-V3's in engine/models/deepseek_v3.py; V4's,
+whose h is the last layer's hyper-connection streams, in deepseek_v4.py). Those hidden states
 exist only in the model runner, so the module drafts there, after each step's
 forward pass, sampling and verification, as vLLM and SGLang run it; the drafts
 reach the scheduler in ModelRunnerOutput (runner_drafts.py is its side).
@@ -48,16 +49,15 @@ from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.kv.kv_cache import KVCachePool
 from engine.models.base import CausalLM
-from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.sched.scheduler_output import ScheduledRequest
 from engine.utils import cdiv, to_device
 
 HELD = -1  # in SeqRows.hidden_rows: the h held from the request's previous step
 
 
-def mtp_target(model: CausalLM) -> DeepseekV3ForCausalLM:
+def mtp_target(model: CausalLM) -> CausalLM:
     """The target model, as one with an MTP module to draft with."""
-    if not isinstance(model, DeepseekV3ForCausalLM) or not model.model.mtp:
+    if not model.has_mtp():
         raise ValueError("speculative_config method 'mtp' needs a model with an MTP module")
     return model
 
@@ -167,7 +167,7 @@ class MTPProposer:
 
     def __init__(
         self,
-        model: DeepseekV3ForCausalLM,
+        model: CausalLM,
         pool: KVCachePool,
         backend: AttentionBackend,
         k: int,
@@ -177,7 +177,7 @@ class MTPProposer:
         self.model, self.backend, self.k = model, backend, k
         self.block_size = pool.block_size
         self.max_model_len = pool.max_model_len
-        self.device = model.lm_head.weight.device
+        self.device = next(model.parameters()).device
         self.held: dict[str, tuple[int, torch.Tensor]] = {}  # req id: (position, h)
         self.first_scratch = pool.num_blocks
         self.scratch_per_seq = cdiv(k - 1, self.block_size)
@@ -307,7 +307,7 @@ class MTPProposer:
             return self.model.mtp_hidden_states(self._tensor(positions), h, tokens)
 
     def _argmax(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(normed).argmax(dim=-1)
+        return self.model.draft_logits(normed).argmax(dim=-1)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return to_device(data, torch.int64, self.device)

@@ -127,23 +127,21 @@ def main() -> dict:
     plain = len(LAYERS) * spec.layers[0].head_dim * 4  # float32, every token kept
     print(f"blocks of {BLOCK} tokens, {block_bytes} bytes each")
     print(f"row span: {span} tokens; window: {WINDOW} tokens")
-    print(
-        f"{'context':>8}{'tokens':>8}{'rows':>6}{'every token':>13}{'bytes/token':>13}{'plain':>7}"
-    )
+    print(f"{'':>8}{'blocks held':>13}{'every':>8}{'bytes/token':>14}")
+    print(f"{'context':>8}{'token':>7}{'row':>6}{'token':>8}{'ours':>7}{'plain':>7}")
     results: dict = {"block": BLOCK, "span": span, "window": WINDOW, "prompt": PROMPT}
     for n in CHECKPOINTS:
         tokens, row_blocks = held[n]
         per_token = round((tokens + row_blocks) * block_bytes / n)
-        print(f"{n:>8}{tokens:>8}{row_blocks:>6}{cdiv(n, BLOCK):>13}{per_token:>13}{plain:>7}")
+        every = cdiv(n, BLOCK)
+        print(f"{n:>8}{tokens:>7}{row_blocks:>6}{every:>8}{per_token:>7}{plain:>7}")
         results |= {
             f"tokens_{n}": tokens,
             f"rows_{n}": row_blocks,
             f"held_{n}": tokens + row_blocks,
-            f"every_{n}": cdiv(n, BLOCK),
+            f"every_{n}": every,
             f"bytes_{n}": per_token,
         }
-    limit = block_bytes // span  # one row block per span, nothing else
-    print(f"in the limit, a row block per span: {limit} bytes/token")
     computed = PROMPT + REPLY - 1  # the reply's last token is sampled, never run
     print("bytes in a token block: raw rows, compressor")
     print("state, indexer state; in a row block: rows,")
@@ -159,6 +157,9 @@ def main() -> dict:
     row_bytes = sum(sum(part_bytes(s, span)[3:]) for s in spec.layers)
     print(f"parts of a token block: {token_bytes} bytes")
     print(f"parts of a row block: {row_bytes} bytes")
+    limit, rows_alone = round(block_bytes / span), round(row_bytes / span)
+    print(f"in the limit, a row block per span: {limit} bytes")
+    print(f"a token, of which the rows take {rows_alone}")
     print(f"tokens computed: {computed}")
     print(f"blocks the window gave back: {llm.stats.window_freed_blocks}")
     return results | {
@@ -172,6 +173,7 @@ def main() -> dict:
         "row_bytes": row_bytes,
         "plain_bytes": plain,
         "limit_bytes": limit,
+        "rows_alone_bytes": rows_alone,
         "computed": computed,
     }
 

@@ -386,8 +386,16 @@ def test_unsupported_variant_is_named_at_load(tmp_path, field, value, message) -
         ({"kv_window": (0, 16)}, "kv_window is not supported on DeepSeek-V4"),
         ({"kv_store": "/nonexistent/store"}, "kv_store is not supported on DeepSeek-V4"),
         (
-            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-            "speculative_config is not supported on DeepSeek-V4",
+            {
+                "speculative_config": {
+                    "method": "draft_model",
+                    "model": str(
+                        Path(__file__).resolve().parents[2] / "snippets/models/deepinfer-tiny"
+                    ),
+                    "num_speculative_tokens": 2,
+                }
+            },
+            "speculative_config method 'draft_model' is not supported on DeepSeek-V4",
         ),
         (
             {"kv_cache_dtype": "fp8_e4m3"},
@@ -502,10 +510,10 @@ def test_bfloat16_matches_transformers(three_types) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
 
 
-def test_deepseek_native_names_and_mtp_tensors_load(three_types, tmp_path) -> None:
+def test_deepseek_native_names_load(three_types, tmp_path) -> None:
     """The checkpoint under DeepSeek's release names (no ``model.`` prefix, embed,
-    hc_head_fn) and with MTP tensors (mtp.*, not served) gives the same tokens;
-    a checkpoint missing a tensor is refused, naming it."""
+    hc_head_fn) gives the same tokens; a checkpoint missing a tensor is refused,
+    naming it. (MTP tensors: test_deepseek_v4_mtp.py.)"""
     from safetensors.torch import load_file, save_file
 
     _, path, hf = three_types
@@ -514,7 +522,6 @@ def test_deepseek_native_names_and_mtp_tensors_load(three_types, tmp_path) -> No
     for key, tensor in weights.items():
         key = key.removeprefix("model.").replace("embed_tokens.", "embed.")
         native[key.replace("hc_head.hc_", "hc_head_")] = tensor
-    native["mtp.0.enorm.weight"] = torch.ones(64)
     folder = tmp_path / "native"
     shutil.copytree(path, folder)
     save_file(native, folder / "model.safetensors")
