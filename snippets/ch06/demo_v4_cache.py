@@ -158,12 +158,14 @@ def main() -> dict:
     print(f"parts of a token block: {token_bytes} bytes")
     print(f"parts of a row block: {row_bytes} bytes")
     limit, rows_alone = round(block_bytes / span), round(row_bytes / span)
-    print(f"in the limit, a row block per span: {limit} bytes")
-    print(f"a token, of which the rows take {rows_alone}")
+    print(f"bytes a token in the limit: {limit}")
+    print(f"of which the rows take: {rows_alone}")
+    most = max(sum(h) for h in held.values())
+    print(f"most blocks held at once: {most}")
     print(f"tokens computed: {computed}")
     print(f"blocks the window gave back: {llm.stats.window_freed_blocks}")
     return results | {
-        "most": max(sum(h) for h in held.values()),
+        "most": most,
         "rows_sliding": rows[0],
         "rows_csa": rows[1],
         "rows_hca": rows[2],
