@@ -267,9 +267,12 @@ def in_own_process(fn, *args) -> Side:
 
 
 def kv_bytes_per_token_per_layer(llm: LLM) -> float:
-    """What the engine's cache pool allocates per token, averaged over its layers."""
-    pool = llm.llm_engine.executor.model_runner.kv_cache
-    return pool.block_bytes() / pool.block_size / len(pool.specs)
+    """What the engine's cache pool allocates per token, averaged over the model's
+    layers; for DeepSeek-V4, in the long-context limit, where a request holds one
+    block per row span (kv/compressed_cache.py) beside a window that does not grow."""
+    pool, cfg = llm.llm_engine.executor.model_runner.kv_cache, llm.llm_engine.config
+    tokens = cfg.kv_row_span or pool.block_size
+    return pool.block_bytes() / tokens / cfg.hf_config.num_hidden_layers
 
 
 def kv_cache_lines(llm: LLM, baselines: list[str]) -> list[str]:
@@ -280,6 +283,8 @@ def kv_cache_lines(llm: LLM, baselines: list[str]) -> list[str]:
     hf = cfg.hf_config
     ours = kv_bytes_per_token_per_layer(llm)
     rows = [(f"this model ({hf.architecture})", ours)]
+    if cfg.kv_row_span:
+        rows[0] = ("this model (V4, long-context limit)", ours)
     if hf.mla is not None:
         rows[0] = (f"this model (MLA: {hf.mla.kv_lora_rank} + {hf.mla.qk_rope_head_dim})", ours)
         heads = hf.num_attention_heads
