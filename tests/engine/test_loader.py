@@ -85,3 +85,25 @@ def test_a_deepseek_checkpoint_as_transformers_saves_it_loads_without_mtp(tmp_pa
     prompt = [5, 17, 99, 3, 42, 8, 61]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert out[0].token_ids == hf_greedy(model, prompt, 6)
+
+
+def test_models_are_built_without_random_draws(qwen3) -> None:
+    """Building under no_random_init draws no random number (the checkpoint fills
+    every parameter next, or the load is refused), and puts torch's own init back
+    afterwards: a layer built outside it is drawn as before."""
+    from engine.models.config import ModelConfig
+    from engine.models.loader import no_random_init
+    from engine.models.registry import build_model
+
+    config = ModelConfig.from_pretrained(qwen3[0])
+    torch.manual_seed(0)
+    with no_random_init():
+        build_model(config)
+    after_build = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after_build, torch.rand(4))  # the build drew nothing
+    torch.manual_seed(0)
+    drawn = torch.nn.Linear(8, 8).weight.detach().clone()
+    torch.manual_seed(0)
+    assert torch.equal(drawn, torch.nn.Linear(8, 8).weight)  # drawn, and drawn the same
+    assert drawn.abs().sum() > 0
