@@ -64,6 +64,7 @@ class LLMEngine:
                 config.enable_prefix_caching,
                 root,
                 config.kv_row_span,
+                config.kv_window[1] if config.kv_window else 0,
             )
         )
         scheduler = AsyncScheduler if config.async_scheduling else Scheduler

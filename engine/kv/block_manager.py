@@ -88,13 +88,17 @@ class BlockManager:
     def take_cached(self, seq: Sequence, hits: list[int]) -> None:
         """Share the prefix blocks a match found; their tokens need no compute."""
         for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_blocks[block_id]  # no longer free to reclaim
-            block.ref_count += 1
+            self._hold(block_id)
             seq.block_table.append(block_id)
-            seq.block_hashes.append(block.hash)
+            seq.block_hashes.append(self.blocks[block_id].hash)
         seq.num_computed_tokens = len(hits) * self.block_size
+
+    def _hold(self, block_id: int) -> None:
+        """One holder more; a block no sequence held leaves the free list."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]  # no longer free to reclaim
+        block.ref_count += 1
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold ``num_tokens`` slots; all or nothing."""

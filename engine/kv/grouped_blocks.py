@@ -10,7 +10,9 @@ BlockManager's token table, each request has a ``row_table``, and:
 - the prefix cache names token blocks as BlockManager does, and a row block by
   the name of the last token block of its span: its rows depend on the tokens up
   to there. A row block is published once its span is computed, so a hit covers
-  whole spans (match_prefix), taking the row blocks with the token blocks;
+  whole spans (match_prefix), taking their row blocks and only the token blocks
+  the hit's last window reads: the others may have been evicted long ago, as
+  the request's own window gave them back, and come back as HOLEs;
 - V4 computes every token the same whatever its window gave back (its attention
   never reads past its own window), so blocks computed after the first give-back
   are published too (window_changes_keys).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_hash
+from engine.sched.scheduler_output import HOLE
 from engine.sequence import Sequence
 from engine.utils import cdiv
 
@@ -34,11 +37,15 @@ class GroupedBlockManager(BlockManager):
         enable_prefix_caching: bool,
         root: bytes,
         row_span: int,
+        window: int,
     ) -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching, root)
         assert row_span % block_size == 0, "a row span ends where a token block ends"
         self.row_span = row_span
         self.blocks_per_span = row_span // block_size
+        self.window = window  # the last tokens a request reads raw (V4Config.window_tokens)
+        self._last_hits: list[int] = []  # match_prefix's answer, and its row blocks
+        self._last_rows: list[int] = []
 
     def row_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.row_span)
@@ -49,39 +56,78 @@ class GroupedBlockManager(BlockManager):
         never a token id, so no token block has it)."""
         return chain_hash(last_block_hash, (-1,))
 
-    def _row_hits(self, hits: list[int]) -> list[int]:
-        """The cached row blocks of the whole spans among token blocks ``hits``."""
-        rows = []
-        for end in range(self.blocks_per_span, len(hits) + 1, self.blocks_per_span):
-            block_hash = self.blocks[hits[end - 1]].hash
-            row = None if block_hash is None else self.cached_blocks.get(self.row_name(block_hash))
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of whole spans that can resume from the cache: every
+        one of its row blocks cached, and the token blocks its last window reads
+        (V4Config.window_tokens; the chain names all of them from the tokens
+        alone). Earlier token blocks are not needed, and come back as HOLEs, as the
+        window would have left them: a long prompt still hits after they were
+        evicted. Never the last token (the model must run on one)."""
+        self._last_hits, self._last_rows = [], []
+        if not self.enable_prefix_caching:
+            return self._last_hits
+        per, bs = self.blocks_per_span, self.block_size
+        names = self._chain(token_ids, (len(token_ids) - 1) // bs // per * per)
+        rows: list[int] = []
+        for span in range(len(names) // per):
+            row = self.cached_blocks.get(self.row_name(names[(span + 1) * per - 1]))
             if row is None:
                 break
             rows.append(row)
-        return rows
+        for spans in range(len(rows), 0, -1):  # the longest whose window is cached
+            window = self._window_hits(token_ids, names, spans * per)
+            if window is not None:
+                self._last_hits, self._last_rows = window, rows[:spans]
+                break
+        return self._last_hits
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """The token blocks of the longest cached prefix of whole spans whose row
-        blocks are cached too (the row blocks come with them: take_cached)."""
-        hits = super().match_prefix(token_ids)
-        return hits[: len(self._row_hits(hits)) * self.blocks_per_span]
+    def _chain(self, token_ids: list[int], num_blocks: int) -> list[bytes]:
+        """The names of the first ``num_blocks`` token blocks of ``token_ids``."""
+        names, parent, bs = [], self.root, self.block_size
+        for i in range(num_blocks):
+            parent = chain_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            names.append(parent)
+        return names
+
+    def _window_hits(self, token_ids: list[int], names: list[bytes], end: int) -> list[int] | None:
+        """Token blocks 0..end-1: HOLE for those wholly before the window that ends
+        at block ``end``, the cached block for the others; None if one is missing."""
+        bs = self.block_size
+        first = max(0, end * bs - self.window) // bs
+        hits = [HOLE] * first
+        for i in range(first, end):
+            block_id = self.cached_blocks.get(names[i])
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                return None  # a miss, or a hash collision caught by comparing tokens
+            hits.append(block_id)
+        return hits
+
+    def _rows_of(self, hits: list[int]) -> list[int]:
+        """The row blocks that came with ``hits``, which match_prefix returned."""
+        assert hits is self._last_hits or not hits, "hits come from match_prefix"
+        return self._last_rows if hits else []
 
     def can_admit(self, hits: list[int], num_tokens: int) -> bool:
-        rows = self._row_hits(hits)
-        idle = sum(1 for b in hits + rows if self.blocks[b].ref_count == 0)
+        held = [b for b in hits if b != HOLE] + self._rows_of(hits)
+        idle = sum(1 for b in held if self.blocks[b].ref_count == 0)
         fresh = self.blocks_needed(num_tokens) - len(hits)
-        fresh += self.row_blocks_needed(num_tokens) - len(rows)
+        fresh += self.row_blocks_needed(num_tokens) - len(self._rows_of(hits))
         return fresh <= self.num_free_blocks - idle
 
     def take_cached(self, seq: Sequence, hits: list[int]) -> None:
-        rows = self._row_hits(hits)
-        super().take_cached(seq, hits)
+        """Share the hit's token blocks (HOLE where the window needs none) and row
+        blocks; every hit block is named in the sequence's chain, held or not."""
+        rows = self._rows_of(hits)
+        seq.block_hashes += self._chain(seq.token_ids, len(hits))
+        for block_id in hits:
+            if block_id != HOLE:
+                self._hold(block_id)
+            seq.block_table.append(block_id)
         for block_id in rows:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_blocks[block_id]
-            block.ref_count += 1
+            self._hold(block_id)
             seq.row_table.append(block_id)
+        seq.num_computed_tokens = len(hits) * self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow both tables to hold ``num_tokens`` tokens; all or nothing."""

@@ -558,3 +558,30 @@ def test_a_row_block_is_never_found_behind_another_spans_tokens(three_types) -> 
         hits.append(llm.stats.prefix_cache_hit_tokens - before)
     assert span == 48 and hits == [0, 48, 96]
     assert outs == [hf_greedy(hf, p, 4) for p in prompts]
+
+
+def test_a_hit_needs_only_the_token_blocks_its_window_reads(three_types) -> None:
+    """A long prompt runs; then its first token blocks leave the prefix cache, as a
+    busy pool evicts blocks the request's own window gave back long before. A
+    prompt sharing its first 150 tokens still resumes from every whole row span
+    (the row blocks, and the token blocks of the window before the hit's end; the
+    earlier ones come back as HOLEs), and its tokens are transformers'."""
+    from engine.kv.hashing import chain_hash
+
+    _, path, hf = three_types
+    g = torch.Generator().manual_seed(9)
+    shared = torch.randint(3, VOCAB, (150,), generator=g).tolist()
+    first, second = shared + [7], shared + [9, 10]
+    llm = LLM(path, dtype="float32", block_size=2, max_num_seqs=1)
+    blocks, span = llm.llm_engine.block_manager, llm.llm_engine.config.kv_row_span
+    params = SamplingParams(temperature=0, max_tokens=4)
+    llm.generate([first], params, use_tqdm=False)
+    parent = blocks.root
+    for i in range(40):  # evict the first 40 token blocks (80 tokens)
+        parent = chain_hash(parent, tuple(shared[2 * i : 2 * i + 2]))
+        block = blocks.blocks[blocks.cached_blocks.pop(parent)]
+        block.hash, block.token_ids = None, ()
+    before = llm.stats.prefix_cache_hit_tokens
+    out = llm.generate([second], params, use_tqdm=False)[0].token_ids
+    assert llm.stats.prefix_cache_hit_tokens - before == 150 // span * span == 144
+    assert out == hf_greedy(hf, second, 4)
