@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from itertools import count
 from typing import Any
 
@@ -16,7 +17,7 @@ from engine.core.stats import EngineStats
 from engine.distributed.balancer import RebalanceReport
 from engine.kv.handoff import Handoff
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -46,6 +47,7 @@ class LLM:
         ``handoffs``: for a prompt another engine began, what it handed on
         (kv/handoff.py; needs a kv_store)."""
         prompts, params, handoffs = per_prompt(prompts, sampling_params, handoffs)
+        params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         engine = self.llm_engine
         # Check every request before queueing any, so a bad one loses nothing.
         seqs = [
@@ -56,14 +58,13 @@ class LLM:
             engine.add_sequence(seq, prompt)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            start, tokens = time.perf_counter(), 0
+            start, tokens = time.perf_counter(), engine.stats.generated_tokens
             while engine.has_unfinished_requests():
-                for out in engine.step():
-                    tokens += 1
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-                bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s out")
+                for out in engine.step():  # finished requests only (FINAL_ONLY)
+                    finished[out.request_id] = out
+                    bar.update(1)
+                rate = (engine.stats.generated_tokens - tokens) / (time.perf_counter() - start)
+                bar.set_postfix_str(f"{rate:.0f} tok/s out")
         if engine.trace is not None:
             engine.trace.save()  # where trace= said, if it named a file
         if engine.eplb.placement is not None:

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    """Which outputs a request's caller gets, named as in vLLM: CUMULATIVE, one
+    per step with everything so far (what a stream reads); FINAL_ONLY, the last
+    one alone (what LLM.generate reads), which lets the output processor skip
+    building the others and spell the text once, at the end."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -77,6 +88,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

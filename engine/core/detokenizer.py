@@ -57,6 +57,18 @@ class IncrementalDetokenizer:
         self.text += flushed
         return self._cut_at_stop_string(flushed)
 
+    def finish_at_once(self, new_token_ids: list[int], stop_token: bool = False) -> None:
+        """The whole output's text in one decode, for a request whose caller sees
+        only its final text and that has no stop string to watch for: the text
+        update would have grown token by token (the window before the output is
+        the same), at two decodes instead of two a token."""
+        assert not self.stop, "stop strings are found as the text grows: use update"
+        if stop_token and not self.include_stop_str:
+            new_token_ids = new_token_ids[:-1]
+        self.token_ids += new_token_ids
+        self.num_output_tokens += len(new_token_ids)
+        self.text += self._flush()
+
     def _decode_next(self) -> str:
         """The text the newest token adds, or "" while it is an incomplete character.
 

@@ -24,7 +24,7 @@ from engine.outputs import (
     RequestOutput,
     RequestTimes,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -43,6 +43,12 @@ class RequestState:
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.perf_counter()))
     events: list[EngineCoreEvent] = field(default_factory=list)  # what the scheduler did
     unshown: list[int] = field(default_factory=list)  # handed-on tokens not yet shown as text
+
+    @property
+    def final_only(self) -> bool:
+        """Its caller reads only the final output, and no stop string needs the
+        text as it grows: the text is spelled once, at the end."""
+        return self.params.output_kind is RequestOutputKind.FINAL_ONLY and not self.params.stop
 
 
 @dataclass
@@ -102,7 +108,8 @@ class OutputProcessor:
                 processed.reqs_to_abort.append(out.request_id)
             if reason is not None:
                 del self.states[out.request_id]
-            processed.request_outputs.append(self._request_output(state, reason))
+            if reason is not None or state.params.output_kind is RequestOutputKind.CUMULATIVE:
+                processed.request_outputs.append(self._request_output(state, reason))
         return processed
 
     def _update(self, state: RequestState, out: EngineCoreOutput) -> FinishReason | None:
@@ -123,9 +130,14 @@ class OutputProcessor:
         reason = out.finish_reason
         detok = state.detokenizer
         stop_token = reason == FinishReason.STOP  # EOS, a stop token, a finished grammar
-        new, state.unshown = state.unshown + out.new_token_ids, []
-        if detok is not None and detok.update(new, reason is not None, stop_token):
-            reason = FinishReason.STOP  # a stop string: the text ends here; the core must stop
+        if detok is not None and state.final_only:  # held until the end, spelled at once
+            state.unshown += out.new_token_ids
+            if reason is not None:
+                detok.finish_at_once(state.unshown, stop_token)
+        else:
+            new, state.unshown = state.unshown + out.new_token_ids, []
+            if detok is not None and detok.update(new, reason is not None, stop_token):
+                reason = FinishReason.STOP  # a stop string: the text ends here; the core stops
         if reason is not None:
             state.times.finished = now
         return reason

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from engine import LLM, SamplingParams
 from engine.core.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind
 from tests.engine.conftest import VOCAB, random_prompts
 
 PROMPT = "def schedule(self) -> SchedulerOutput:\n"  # ASCII: no character spans into the output
@@ -189,3 +190,49 @@ def test_a_stop_string_in_the_text_flushed_at_the_end_still_stops() -> None:
     final = out.request_outputs[0]
     assert (final.text, final.finish_reason) == ("", "stop")
     assert out.reqs_to_abort == []  # the core had finished it already
+
+
+def final_output(tok: Tokenizer, steps: list[list[int]], params: SamplingParams, reason: str):
+    """Feed one request's steps, the last finishing it for ``reason``; every output."""
+    proc = OutputProcessor(tok)
+    proc.add_request("r", PROMPT, tok.encode(PROMPT).ids, params)
+    outs = []
+    for i, ids in enumerate(steps):
+        done = reason if i == len(steps) - 1 else None
+        outs += proc.process_outputs(
+            [EngineCoreOutput("r", ids, finish_reason=done)]
+        ).request_outputs
+    return outs
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    ids=st.lists(TOKENS, min_size=1, max_size=24),
+    chunk=st.integers(1, 3),
+    reason=st.sampled_from(["length", "stop"]),
+    include_stop_str=st.booleans(),
+)
+def test_final_only_spells_the_text_cumulative_grows(
+    tok: Tokenizer, ids: list[int], chunk: int, reason: str, include_stop_str: bool
+) -> None:
+    """A FINAL_ONLY request (LLM.generate's) gets one output, at the end, with its
+    text spelled in one decode: the same output, text and all, as a CUMULATIVE
+    request's last, for any tokens, steps, and a request stopped by its last token
+    (whose text shows only with include_stop_str_in_output) or by length."""
+    steps = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
+    kinds = [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+    grown, once = (
+        final_output(
+            tok,
+            steps,
+            SamplingParams(output_kind=kind, include_stop_str_in_output=include_stop_str),
+            reason,
+        )
+        for kind in kinds
+    )
+    assert len(grown) == len(steps) and len(once) == 1
+    assert (once[0].text, once[0].token_ids, once[0].finish_reason) == (
+        grown[-1].text,
+        grown[-1].token_ids,
+        grown[-1].finish_reason,
+    )
