@@ -20,11 +20,21 @@ BlockManager's token table, each request has a ``row_table``, and:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_hash
 from engine.sched.scheduler_output import HOLE
 from engine.sequence import Sequence
 from engine.utils import cdiv
+
+
+class _Match(NamedTuple):
+    """What match_prefix found, for can_admit and take_cached to use as it is."""
+
+    hits: list[int]  # token blocks, HOLE where the window needs none
+    rows: list[int]  # the row blocks of the hit's spans
+    names: list[bytes]  # every hit token block's name, held or not
 
 
 class GroupedBlockManager(BlockManager):
@@ -44,8 +54,7 @@ class GroupedBlockManager(BlockManager):
         self.row_span = row_span
         self.blocks_per_span = row_span // block_size
         self.window = window  # the last tokens a request reads raw (V4Config.window_tokens)
-        self._last_hits: list[int] = []  # match_prefix's answer, and its row blocks
-        self._last_rows: list[int] = []
+        self._last = _Match([], [], [])  # match_prefix's answer
 
     def row_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.row_span)
@@ -63,28 +72,31 @@ class GroupedBlockManager(BlockManager):
         alone). Earlier token blocks are not needed, and come back as HOLEs, as the
         window would have left them: a long prompt still hits after they were
         evicted. Never the last token (the model must run on one)."""
-        self._last_hits, self._last_rows = [], []
+        self._last = _Match([], [], [])
         if not self.enable_prefix_caching:
-            return self._last_hits
-        per, bs = self.blocks_per_span, self.block_size
-        names = self._chain(token_ids, (len(token_ids) - 1) // bs // per * per)
+            return self._last.hits
+        per = self.blocks_per_span
+        names: list[bytes] = []
         rows: list[int] = []
-        for span in range(len(names) // per):
-            row = self.cached_blocks.get(self.row_name(names[(span + 1) * per - 1]))
+        for _ in range((len(token_ids) - 1) // self.block_size // per):
+            names += self._chain(token_ids, names, per)  # one more span, while rows hit
+            row = self.cached_blocks.get(self.row_name(names[-1]))
             if row is None:
                 break
             rows.append(row)
         for spans in range(len(rows), 0, -1):  # the longest whose window is cached
             window = self._window_hits(token_ids, names, spans * per)
             if window is not None:
-                self._last_hits, self._last_rows = window, rows[:spans]
+                self._last = _Match(window, rows[:spans], names[: spans * per])
                 break
-        return self._last_hits
+        return self._last.hits
 
-    def _chain(self, token_ids: list[int], num_blocks: int) -> list[bytes]:
-        """The names of the first ``num_blocks`` token blocks of ``token_ids``."""
-        names, parent, bs = [], self.root, self.block_size
-        for i in range(num_blocks):
+    def _chain(self, token_ids: list[int], before: list[bytes], num_blocks: int) -> list[bytes]:
+        """The names of the ``num_blocks`` token blocks of ``token_ids`` after the
+        blocks named ``before``."""
+        bs, first = self.block_size, len(before)
+        names, parent = [], before[-1] if before else self.root
+        for i in range(first, first + num_blocks):
             parent = chain_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             names.append(parent)
         return names
@@ -105,8 +117,8 @@ class GroupedBlockManager(BlockManager):
 
     def _rows_of(self, hits: list[int]) -> list[int]:
         """The row blocks that came with ``hits``, which match_prefix returned."""
-        assert hits is self._last_hits or not hits, "hits come from match_prefix"
-        return self._last_rows if hits else []
+        assert hits is self._last.hits or not hits, "hits come from match_prefix"
+        return self._last.rows if hits else []
 
     def can_admit(self, hits: list[int], num_tokens: int) -> bool:
         held = [b for b in hits if b != HOLE] + self._rows_of(hits)
@@ -119,7 +131,7 @@ class GroupedBlockManager(BlockManager):
         """Share the hit's token blocks (HOLE where the window needs none) and row
         blocks; every hit block is named in the sequence's chain, held or not."""
         rows = self._rows_of(hits)
-        seq.block_hashes += self._chain(seq.token_ids, len(hits))
+        seq.block_hashes += self._last.names if hits else []
         for block_id in hits:
             if block_id != HOLE:
                 self._hold(block_id)
