@@ -176,7 +176,8 @@ class ModelConfig:
             attention_bias=False,
             qk_norm=False,
             eos_token_ids=_eos_ids(path, raw),
-            num_mtp_layers=_mtp_layers(path, raw, "mtp.0.", "model.mtp.0."),
+            # DeepSeek ships one MTP module; a second would need a layer config of its own
+            num_mtp_layers=min(1, _mtp_layers(path, raw, "mtp.0.", "model.mtp.0.")),
             v4=v4,
         )
 

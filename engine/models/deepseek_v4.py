@@ -120,9 +120,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.norm = Float32RMSNorm(hidden, cfg.rms_norm_eps)
         self.head = nn.Linear(hidden, cfg.vocab_size, bias=False)
         n, mtp = cfg.num_hidden_layers, v4.with_mtp_layer()
-        self.mtp = nn.ModuleList(
-            DeepseekV4MTP(cfg, mtp, n) for _ in range(min(cfg.num_mtp_layers, 1))
-        )  # DeepSeek ships one; a second would need a config of its own
+        self.mtp = nn.ModuleList(DeepseekV4MTP(cfg, mtp, n) for _ in range(cfg.num_mtp_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The last layer's streams, flattened to [tokens, hc_mult * hidden]: an MTP
