@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core.async_loop import AsyncLoop
 from engine.core.executor import Executor, UniProcExecutor
 from engine.core.output_processor import OutputProcessor
+from engine.core.request_checker import BlockChain, Prompt, RequestChecker
 from engine.core.stats import EngineStats
 from engine.core.trace import StepTrace
 from engine.distributed.balancer import ExpertBalancer
@@ -33,8 +34,6 @@ from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode.factory import make_proposer, make_verify_schedule
 from engine.structured_output import StructuredOutputManager
-
-Prompt = str | list[int]
 
 
 def make_executor(config: EngineConfig, stats: EngineStats) -> Executor:
@@ -84,6 +83,14 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer, config.hf_config.vocab_size, config.hf_config.eos_token_ids
         )
+        self.checker = RequestChecker(
+            self.tokenizer,
+            config.hf_config.vocab_size,
+            self.max_model_len,
+            self.structured_output,
+            config.seed,
+            BlockChain(root, cache.block_size) if self.connector is not None else None,
+        )
         self.async_loop = None
         if config.async_scheduling:
             self.async_loop = AsyncLoop(
@@ -98,7 +105,6 @@ class LLMEngine:
             path = config.trace if isinstance(config.trace, str) else None
             runner, processor = self.executor.model_runner, self.output_processor
             self.trace = StepTrace(self.scheduler, runner, processor, self.stats, path)
-        self._num_added = 0
         # What start-up built (torch, the model's modules, the block pool) lives as
         # long as the engine: take it out of the garbage collector's full scans,
         # which would otherwise walk all of it in the middle of some step. At exit
@@ -136,77 +142,14 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         handoff: Handoff | None = None,
+        seed: int | None = None,
     ) -> Sequence:
         """Check a request and tokenize it, without touching the engine's state,
-        so a bad request fails alone and nothing already queued is lost."""
+        so a bad request fails alone and nothing already queued is lost.
+        ``seed``: the seed a front end already gave it (core_process.py)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
-        self._check_logit_bias(params)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer.json; pass token ids")
-            token_ids = self.tokenizer.encode(prompt).ids
-        else:
-            token_ids = list(prompt)
-            vocab = self.config.hf_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, but the maximum model length is "
-                f"{self.max_model_len}, which leaves no room to generate"
-            )
-        seed = (
-            params.seed
-            if params.seed is not None
-            else self.config.seed * 1_000_003 + self._num_added
-        )
-        seq = Sequence(request_id, token_ids, params, seed=seed)
-        if params.structured_outputs is not None:  # ValueError if it does not compile
-            seq.structured_output = self.structured_output.request_for(params.structured_outputs)
-        if handoff is not None:
-            self._take_handoff(seq, handoff)
-        return seq
-
-    def _take_handoff(self, seq: Sequence, handoff: Handoff) -> None:
-        """Continue a request another engine began (kv/handoff.py): its tokens so
-        far, checked, and its blocks to load from the store."""
-        if self.connector is None:
-            raise ValueError("a handed-on request needs a kv_store to load its blocks from")
-        if seq.structured_output is not None or seq.params.prompt_logprobs is not None:
-            raise ValueError(
-                "a handed-on request cannot have structured outputs or prompt_logprobs"
-            )
-        bs, n = self.block_manager.block_size, len(handoff.block_hashes)
-        mine = self.connector.chain(seq, n)
-        if n > seq.num_prompt_tokens // bs or handoff.block_hashes != mine:
-            raise ValueError(
-                "the handed-on block hashes do not match this engine's: the sender serves "
-                "another model, KV format or block size, or another prompt"
-            )
-        outputs = handoff.output_token_ids
-        vocab = self.config.hf_config.vocab_size
-        if not outputs or any(not isinstance(t, int) or not 0 <= t < vocab for t in outputs):
-            raise ValueError(f"handed-on output token ids must be integers in [0, {vocab})")
-        if (
-            len(outputs) >= seq.params.max_tokens
-            or seq.num_tokens + len(outputs) >= self.max_model_len
-        ):
-            raise ValueError("the handed-on request has no room left to generate")
-        seq.token_ids += outputs
-        seq.handoff = handoff
-
-    def _check_logit_bias(self, params: SamplingParams) -> None:
-        """Every token a logit_bias names must be in the model's vocabulary."""
-        vocab = self.config.hf_config.vocab_size
-        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
-        if outside:
-            raise ValueError(
-                f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})"
-            )
+        return self.checker.check(request_id, prompt, params, handoff, seed)
 
     def add_sequence(self, seq: Sequence, prompt: Prompt | None = None) -> None:
         """Queue a checked request: its text side to the output processor, its
@@ -216,7 +159,7 @@ class LLMEngine:
             seq.request_id, text, seq.prompt_token_ids, seq.params, seq.handoff
         )
         self.scheduler.add(seq)
-        self._num_added += 1
+        self.checker.num_added += 1
 
     def add_request(
         self,

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.config import EngineConfig
 from engine.entrypoints import logs
-from engine.entrypoints.async_llm import AsyncLLM
+from engine.entrypoints.async_llm import AsyncLLM, CoreMode
 from engine.entrypoints.chat_template import load_chat_template
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.metrics import ServerMetrics
@@ -55,6 +55,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # on SIGTERM: how long requests in flight may go on
     head_timeout: float = 60.0  # to send a request's line and headers (read_timeouts.py)
     body_timeout: float = 60.0  # between two pieces of a request's body
+    # The engine core's own process, or a thread of the server's (async_llm.py).
+    engine_core: CoreMode = "thread"
 
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 500, 503)}
@@ -64,7 +66,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     """The app, with its engine loaded; the core thread starts with the app."""
     names = config.served_model_names or [Path(config.engine.model).name]
     metrics = ServerMetrics(names[0])
-    llm = AsyncLLM(config.engine, metrics, config.max_waiting)
+    llm = AsyncLLM(config.engine, metrics, config.max_waiting, config.engine_core)
     serving = OpenAIServing(llm, names, load_chat_template(Path(config.engine.model)))
 
     @asynccontextmanager
@@ -111,7 +113,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     async def kv_info() -> Response:
         """What a PD router checks before it pairs workers (Chapter 8): their role,
         and the store's key space, which only workers that can share blocks share."""
-        config = llm.core.engine.config
+        config = llm.config
         root = llm.kv_root.hex() if llm.kv_root is not None else None
         info = {"role": config.role, "namespace": root, "block_size": llm.block_size}
         return JSONResponse(info | {"kv_store": config.kv_store})

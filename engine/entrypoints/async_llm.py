@@ -1,6 +1,7 @@
 """The front end's side of the engine, in the asyncio loop: requests go to the
-core thread as checked Sequences, and each step's core outputs come back and
-become RequestOutputs here, through the engine's own OutputProcessor.
+engine core (a thread or a process: engine_core.py, core_process.py) once
+checked, and each step's core outputs come back and become RequestOutputs
+here, through the engine's own OutputProcessor.
 
 Nothing here waits for a model step. A request's outputs are put on the
 asyncio queue its HTTP handler reads; a handler that goes away aborts its
@@ -14,10 +15,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.config import EngineConfig
 from engine.core.output_processor import OutputProcessor
-from engine.entrypoints.engine_core import CoreBatch, EngineCore
+from engine.entrypoints.core_process import CoreProcess
+from engine.entrypoints.engine_core import CoreBatch, CoreClient, EngineCore
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.metrics import ServerMetrics
 from engine.kv.handoff import Handoff
@@ -26,6 +29,9 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer.server")
 SHUTTING_DOWN = "the server is shutting down; retry on another"
+# Where the engine core runs: in a process of its own (what `deepinfer serve`
+# does), or in a thread of the server's (tests that reach into the engine).
+CoreMode = Literal["process", "thread"]
 
 
 @dataclass
@@ -50,14 +56,21 @@ class Timing:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_waiting: int) -> None:
-        self.core = EngineCore(config)
-        self.tokenizer = self.core.engine.tokenizer
-        engine = self.core.engine
+    def __init__(
+        self,
+        config: EngineConfig,
+        metrics: ServerMetrics,
+        max_waiting: int,
+        core: CoreMode = "thread",
+    ) -> None:
+        self.config = config
+        self.core: CoreClient = CoreProcess(config) if core == "process" else EngineCore(config)
+        self.tokenizer = self.core.tokenizer
+        facts = self.core.facts
         # The store's key space (Chapter 8): the chain root, None without a store.
-        self.kv_root = engine.block_manager.root if engine.connector is not None else None
-        self.block_size = engine.block_manager.block_size
-        self.max_model_len = self.core.engine.max_model_len
+        self.kv_root = facts.kv_root
+        self.block_size = facts.block_size
+        self.max_model_len = facts.max_model_len
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -80,8 +93,7 @@ class AsyncLLM:
 
     @property
     def healthy(self) -> bool:
-        thread = self.core.thread
-        return thread is not None and thread.is_alive() and self.core.dead is None
+        return self.core.alive
 
     def generate(
         self,

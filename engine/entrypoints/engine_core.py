@@ -1,6 +1,8 @@
-"""The engine core in a thread of its own: it takes requests and aborts from a
-queue, steps the engine while any request is unfinished, and hands every step's
-EngineCoreOutputs to the front end, which turns them into text.
+"""The engine core: it takes requests and aborts from a queue, steps the engine
+while any request is unfinished, and hands every step's EngineCoreOutputs to the
+front end, which turns them into text. It runs in a thread of its own beside the
+front end (EngineCore.start), or in a process of its own (core_process.py), and
+the front end sees either through the same small interface (CoreClient).
 
 LLMEngine.step ends by handing the step's outputs to its output processor. Here
 that processor is an outbox: the outputs cross to the front end's thread as
@@ -16,6 +18,9 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
@@ -79,6 +84,47 @@ class CoreBatch:
     outputs: list[EngineCoreOutput]
     stats: CoreStats
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error
+    dead: str | None = None  # why the core stopped for good, if it did
+
+
+@dataclass(frozen=True)
+class CoreFacts:
+    """What the front end needs to know of the loaded engine to check requests."""
+
+    max_model_len: int
+    block_size: int
+    kv_root: bytes | None  # the KV store's chain root; None without a store
+
+
+class CoreClient(Protocol):
+    """The front end's view of an engine core, in a thread or a process."""
+
+    facts: CoreFacts
+    tokenizer: Tokenizer | None
+    dead: str | None  # why the core stopped for good, if it did
+
+    @property
+    def alive(self) -> bool: ...
+
+    def make_sequence(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        handoff: Handoff | None = None,
+    ) -> Sequence:
+        """Check a request (ValueError if bad); safe in the front end's thread."""
+        ...
+
+    def add(self, seqs: list[Sequence]) -> None: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def start(self, deliver: Callable[[CoreBatch], None]) -> None:
+        """Begin stepping; ``deliver`` gets every batch, in a thread of the core's."""
+        ...
+
+    def stop(self) -> None: ...
 
 
 _STOP = object()
@@ -96,7 +142,16 @@ class EngineCore:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.dead: str | None = None  # why the core stopped, if it failed for good
+        self.rejected: dict[str, str] = {}  # requests refused on arrival, for the next batch
         self._sent_saving = False
+        self.tokenizer: Tokenizer | None = self.engine.tokenizer
+        engine = self.engine
+        root = engine.block_manager.root if engine.connector is not None else None
+        self.facts = CoreFacts(engine.max_model_len, engine.block_manager.block_size, root)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and self.dead is None
 
     def make_sequence(
         self,
@@ -117,22 +172,31 @@ class EngineCore:
 
     def start(self, deliver: Callable[[CoreBatch], None]) -> None:
         self.thread = threading.Thread(
-            target=self._run, args=(deliver,), name="engine-core", daemon=True
+            target=self.run, args=(deliver,), name="engine-core", daemon=True
         )
         self.thread.start()
 
+    def reject(self, failures: list[tuple[str, str]]) -> None:
+        """Requests refused on arrival: (request id, why), sent with the next batch."""
+        self.inbox.put(("reject", failures))
+
+    def stop_soon(self) -> None:
+        """End the loop before its next step."""
+        self.inbox.put(_STOP)
+
     def stop(self) -> None:
         if self.thread is not None:
-            self.inbox.put(_STOP)
+            self.stop_soon()
             self.thread.join(timeout=30)
 
-    def _run(self, deliver: Callable[[CoreBatch], None]) -> None:
+    def run(self, deliver: Callable[[CoreBatch], None]) -> None:
+        """The core's loop, in the calling thread, until stop()."""
         try:
             self._loop(deliver)
         except Exception as err:  # outside a step: nothing to recover, but nobody waits forever
             self.dead = f"{type(err).__name__}: {err}"
             logger.exception("the engine core stopped")
-            deliver(CoreBatch([], self._stats()))  # the front end fails whoever waits
+            deliver(self._batch([]))  # the front end fails whoever waits
 
     def _loop(self, deliver: Callable[[CoreBatch], None]) -> None:
         engine = self.engine
@@ -151,11 +215,11 @@ class EngineCore:
                 command = self.inbox.get_nowait() if not self.inbox.empty() else None
             if engine.has_unfinished_requests():
                 failed = self._step()
-                deliver(CoreBatch(self.outbox.take(), self._stats(), failed))
+                deliver(self._batch(self.outbox.take(), failed))
                 if self.dead:
                     return
             elif applied or saving:  # idle after aborts, or saves landing: say so
-                deliver(CoreBatch([], self._stats()))
+                deliver(self._batch([]))
             if not engine.has_unfinished_requests():  # idle: give the heap's free pages back
                 self.trimmer.maybe_trim()
 
@@ -167,11 +231,22 @@ class EngineCore:
 
     def _apply(self, command: tuple[str, list]) -> None:
         kind, items = command
+        if kind == "reject":  # (request id, why) pairs, for the front end
+            self.rejected.update(items)
+            return
         for item in items:
             if kind == "add":
                 self.engine.add_sequence(item)
             else:
                 self.engine.abort_request(item)  # a finished id is ignored
+
+    def _batch(
+        self, outputs: list[EngineCoreOutput], failed: dict[str, str] | None = None
+    ) -> CoreBatch:
+        """What goes to the front end after a step, or when idle."""
+        failed = {**self.rejected, **(failed or {})}
+        self.rejected = {}
+        return CoreBatch(outputs, self._stats(), failed, self.dead)
 
     def _step(self) -> dict[str, str]:
         """One engine step. If it fails, every request in the engine fails with it

@@ -113,6 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         head_timeout=args.head_timeout,
         body_timeout=args.body_timeout,
+        engine_core=args.engine_core,
     )
     run_server(config, args.host, args.port, args.log_level)
     return 0
@@ -212,6 +213,7 @@ def _bench(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 device=args.device,
                 threads=args.threads,
+                engine_core=args.engine_core,
             )
         )
         return 0
@@ -448,6 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_speculative(serve)
     _add_kv_window(serve)
+    serve.add_argument(
+        "--engine-core",
+        choices=["process", "thread"],
+        default="process",
+        help="run the engine's steps in a process of their own (default), or in a "
+        "thread beside the HTTP side, which then shares one interpreter lock with them",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
@@ -523,6 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--threads", type=int, default=1, help="with --serve: torch threads on each side"
+    )
+    bench.add_argument(
+        "--engine-core",
+        choices=["process", "thread"],
+        default="process",
+        help="with --serve: where the server runs its engine core (see deepinfer serve)",
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per side")

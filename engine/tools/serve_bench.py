@@ -130,6 +130,7 @@ def run(
     seed: int = 0,
     device: str | None = None,
     threads: int = 1,
+    engine_core: str = "process",
 ) -> str:
     """The table. Both sides get ``threads`` torch threads: on a two-core machine
     the server's HTTP side and the clients need the other core."""
@@ -144,13 +145,14 @@ def run(
         f"{llm.llm_engine.config.device}, {threads} torch thread(s) on each side",
         f"{num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, "
         f"{output_len} output tokens each, greedy",
-        "server: deepinfer serve, streaming over loopback HTTP; "
-        "offline: LLM.generate in waves of N",
+        f"server: deepinfer serve (engine core in a {engine_core}), streaming over "
+        "loopback HTTP; offline: LLM.generate in waves of N",
         "",
     ]
     # The same engine on both sides: the server compiles its decode step by
     # default, LLM does not, and the table measures serving, not compiling.
     serve = ["serve", model, "--max-num-seqs", str(max(concurrency)), "--no-compile-decode"]
+    serve += ["--engine-core", engine_core]
     serve += ["--device", device] if device else []
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     with launched(*serve, env=env) as url:

@@ -140,13 +140,18 @@ TINY_CASES = {
 
 
 def case_kwargs(case: str, prompts: list[str]) -> dict:
-    """The engine settings of a case; "preempted" gets a cache of two prompts'
-    blocks and one more, so that two run, grow, and one must give way."""
+    """The engine settings of a case; "preempted" gets a cache of the first two
+    prompts' blocks and one more, so that those two run, grow, and one must give
+    way, whatever the prompts (book_prompts samples the engine's own files)."""
     kwargs = TINY_CASES[case]
     if case == "preempted":
         tokenizer = LLM(TINY, dtype="float32").llm_engine.tokenizer
-        longest = max(len(tokenizer.encode(p).ids) for p in prompts)
-        kwargs = dict(kwargs, num_kv_blocks=2 * cdiv(longest, kwargs["block_size"]) + 1)
+        lengths = [len(tokenizer.encode(p).ids) for p in prompts]
+        bs = kwargs["block_size"]
+        blocks = cdiv(lengths[0], bs) + cdiv(lengths[1], bs) + 1
+        # any one request fits whole, drafts and all, so the engine can always finish it
+        assert cdiv(max(lengths) + 2 * GREEDY.max_tokens, bs) <= blocks, lengths
+        kwargs = dict(kwargs, num_kv_blocks=blocks)
     return kwargs
 
 
