@@ -7,6 +7,11 @@ same prompts go through LLM.generate in waves of N, so that neither side ever
 has more than N requests in the batch. Time to first token is measured from the
 request's sending (server) or its arrival in the engine (offline); inter-token
 latency is a request's (last token - first token) / (tokens - 1).
+
+The clients are aiohttp's, as in vLLM's serving benchmark. They share the
+machine with the server, so their own cost is in the figures: httpx's client,
+whose cost per event is higher, left the server measurably slower at 64
+clients on two cores (stop 41's closing note has the figures).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import statistics
 import time
 
-import httpx
+import aiohttp
 import torch
 
 from engine.llm import LLM
@@ -49,17 +54,17 @@ def offline(llm: LLM, prompts: list[list[int]], output_len: int, clients: int) -
     return Measured(seconds, sum(len(o.token_ids) for o in outputs), ttft, itl)
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, int]:
+async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float, int]:
     """(TTFT s, ITL s, tokens) of one streamed completion."""
     sent = time.perf_counter()
     first = last = None
     tokens = 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+    async with session.post(url + "/v1/completions", json=body) as reply:
         reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
+        async for line in reply.content:  # one server-sent event line at a time
+            if not line.startswith(b"data: {"):
                 continue
-            chunk = json.loads(line[len("data: ") :])
+            chunk = json.loads(line[len(b"data: ") :])
             now = time.perf_counter()
             if chunk["choices"]:
                 first = first or now
@@ -80,15 +85,16 @@ async def served(
     body = dict(model=model, max_tokens=output_len, temperature=0, ignore_eos=True, stream=True)
     body["stream_options"] = {"include_usage": True}
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop(session: aiohttp.ClientSession) -> None:
         while not queue.empty():
             prompt = queue.get_nowait()
-            results.append(await _one(client, url, {**body, "prompt": prompt}))
+            results.append(await _one(session, url, {**body, "prompt": prompt}))
 
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=clients + 4)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+        await asyncio.gather(*(client_loop(session) for _ in range(clients)))
         seconds = time.perf_counter() - start
     return Measured(
         seconds,
