@@ -34,6 +34,14 @@ _MASK32 = 0xFFFFFFFF
 _MASK63 = (1 << 63) - 1
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the first one if several tie, as
+    torch.argmax gives it. On a CPU, torch.max over the last dimension finds the
+    same index several times faster than torch.argmax's own kernel (a test
+    compares the two on fresh inputs with ties, infinities and NaNs)."""
+    return x.max(dim=-1).indices
+
+
 @dataclass
 class SamplingRow:
     params: SamplingParams
@@ -149,7 +157,7 @@ class Sampler:
         its bias and penalties. Logprobs are the model's own, from the logits
         before any mask."""
         allowed = adjust_logits(logits, md)
-        tokens = allowed.argmax(dim=-1)
+        tokens = argmax(allowed)
         if (r := md.random) is not None:
             tokens[r.rows] = draw(allowed[r.rows], r)
         return SamplerOutput(tokens, compute_logprobs(logits, tokens, md.max_num_logprobs))
@@ -211,7 +219,7 @@ def draw(logits: torch.Tensor, r: RandomRows) -> torch.Tensor:
     for every token, picks token i with probability p_i."""
     logits, ids = apply_filters(logits, r)
     race = exponential_noise(r.seeds, r.steps, ids, logits.shape[-1])
-    choice = logits.softmax(dim=-1).div_(race).argmax(dim=-1)
+    choice = argmax(logits.softmax(dim=-1).div_(race))
     return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
 

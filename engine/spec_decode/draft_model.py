@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig
-from engine.layers.sampler import RandomRows, SamplingRow, exponential_noise
+from engine.layers.sampler import RandomRows, SamplingRow, argmax, exponential_noise
 from engine.models.loader import load_tokenizer
 from engine.runner.model_runner import ModelRunner
 from engine.sched.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -135,7 +135,7 @@ class DraftModelProposer:
         """Each lane's next guess: the argmax for a greedy request, else a draw
         from q, from the request's stream at the guess's output position."""
         probs = logits.softmax(dim=-1)
-        tokens = probs.argmax(dim=-1)
+        tokens = argmax(probs)
         rows = [SamplingRow(lane.seq.params, lane.seq.seed, output_position(lane))
                 for lane in lanes]  # fmt: skip
         q = None
@@ -144,7 +144,7 @@ class DraftModelProposer:
             ids = torch.arange(DRAFT_STREAM * self.vocab_size, (DRAFT_STREAM + 1) *
                                self.vocab_size, device=logits.device).expand(len(q), -1)  # fmt: skip
             noise = exponential_noise(drawn.seeds, drawn.steps, ids, self.vocab_size)
-            tokens[drawn.rows] = q.div(noise).argmax(dim=-1)
+            tokens[drawn.rows] = argmax(q.div(noise))
             probs[drawn.rows] = q
         chosen = tokens.tolist()
         confidence = probs.gather(1, tokens[:, None]).squeeze(1).tolist()

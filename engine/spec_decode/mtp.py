@@ -48,6 +48,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.kv.kv_cache import KVCachePool
+from engine.layers.sampler import argmax
 from engine.models.base import CausalLM
 from engine.sched.scheduler_output import ScheduledRequest
 from engine.utils import cdiv, to_device
@@ -307,7 +308,7 @@ class MTPProposer:
             return self.model.mtp_hidden_states(self._tensor(positions), h, tokens)
 
     def _argmax(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.model.draft_logits(normed).argmax(dim=-1)
+        return argmax(self.model.draft_logits(normed))
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return to_device(data, torch.int64, self.device)

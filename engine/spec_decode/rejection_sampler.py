@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.sampler import RandomRows, apply_filters, exponential_noise
+from engine.layers.sampler import RandomRows, apply_filters, argmax, exponential_noise
 
 
 @dataclass
@@ -70,7 +70,7 @@ def rejection_sample(
     residual = (p - q).clamp_(min=0.0)
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q there: rounding alone rejects
     residual = torch.where(empty, p, residual)
-    recovered = residual.div_(noise).argmax(dim=-1)  # the exponential race, unnormalised
+    recovered = argmax(residual.div_(noise))  # the exponential race, unnormalised
     return accepted, recovered
 
 

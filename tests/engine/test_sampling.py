@@ -314,3 +314,22 @@ def test_a_temperature_near_zero_is_greedy_not_an_overflow() -> None:
     assert SamplingParams(temperature=2.2e-309).greedy
     assert SamplingParams(temperature=SAMPLING_EPS / 2).greedy
     assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 151_936), (64, 4096), (3, 7), (5, 1)])
+def test_argmax_picks_torch_argmaxs_index_ties_infinities_and_nans_too(dtype, shape) -> None:
+    """sampler.argmax (torch.max's index) against torch.argmax, on fresh inputs each
+    run: small integers, so that most rows tie, with some infinities and NaNs."""
+    from engine.layers.sampler import argmax
+
+    gen = torch.Generator().manual_seed(torch.seed())
+    for _ in range(5):
+        x = torch.randint(-3, 4, shape, generator=gen).to(dtype)
+        odd = torch.rand(shape, generator=gen)
+        x[odd < 0.01] = float("inf")
+        x[(odd > 0.5) & (odd < 0.501)] = float("-inf")
+        x[odd > 0.999] = float("nan")
+        assert torch.equal(argmax(x), x.argmax(dim=-1))
+    everywhere = torch.full(shape, float("-inf"), dtype=dtype)
+    assert torch.equal(argmax(everywhere), everywhere.argmax(dim=-1))
