@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -64,6 +65,35 @@ def launched_process(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """The process's children, theirs, and so on (Linux's /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:  # it ended meanwhile
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def tree_memory(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory (VmRSS) or its peak (VmHWM) of a process and all of its
+    descendants, summed, in bytes: a server is its front end and its engine
+    core's process (entrypoints/core_process.py)."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:  # it ended meanwhile
+            continue
+        total += sum(int(line.split()[1]) * 1024 for line in lines if line.startswith(field + ":"))
+    return total
 
 
 def _healthy(url: str) -> bool:

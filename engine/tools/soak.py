@@ -5,7 +5,7 @@ official `openai` async client through a fixed mix of requests (completions and
 chat, streamed and not, short and long prompts, n > 1, logprobs, structured
 output with ``response_format`` json_object, and clients that hang up in the
 middle of a stream), and reads the server's resident memory (VmRSS, from
-/proc/PID/status, or psutil where it is installed) every few requests. It
+/proc/PID/status, summed over the server and its engine core's process) every few requests. It
 prints the curve (requests done, RSS MiB) and the ratio of the highest RSS
 after the warm-up to the RSS at the warm-up: near 1.0 means flat.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from openai import APIError, AsyncOpenAI
 
-from engine.tools.launch import launched_process
+from engine.tools.launch import launched_process, tree_memory
 
 WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "a")
 WORDS += ("request", "scheduler", "decides", "which", "sequences", "run", "in", "each", "step")
@@ -68,17 +68,9 @@ class Soak:
 
 
 def rss_bytes(pid: int) -> int:
-    """The process's resident memory now, in bytes."""
-    try:
-        import psutil
-
-        return psutil.Process(pid).memory_info().rss
-    except ImportError:
-        pass
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    """The server's resident memory now, in bytes: its process and its engine
+    core's, which runs in a child process."""
+    return tree_memory(pid)
 
 
 def kv_blocks_for(model: str, mib: float, dtype_bytes: int, block_size: int = 16) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.tools.launch import tree_memory
 from tests.conftest import ROOT
 
 TINY = ROOT / "snippets" / "models" / "deepinfer-tiny"
@@ -65,11 +66,9 @@ class Running:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def rss_bytes(self, field: str = "VmRSS") -> int:
-        """Resident memory of the server process (VmHWM: its peak)."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-        raise KeyError(field)
+        """Resident memory of the server, its engine core's process included
+        (VmHWM: the sum of each process's peak)."""
+        return tree_memory(self.proc.pid, field)
 
     def kill(self) -> None:
         """Abruptly, as a crash would: no graceful shutdown."""
