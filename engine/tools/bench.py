@@ -382,8 +382,9 @@ def run(
     lines.append("(first column: the best repeat; peak RSS: the whole process, one figure)")
     lines.append("")
     lines.append(
-        f"decode step at batch {num_prompts}: {e['step_ms']:.1f} ms on fresh prompts, "
-        f"{e['outside']:.1%} of it outside the model forward"
+        f"decode step at batch {num_prompts}: {e['step_ms']:.2f} ms on fresh prompts, "
+        f"{e['outside']:.1%} of it ({e['step_ms'] * e['outside']:.3f} ms) outside the model "
+        "forward: the host's scheduling, input building, sampling and output processing"
     )
     lines.append(
         f"decode step floor: {e['floor_ms']:.2f} ms ({e['floor_why']}); "

@@ -87,8 +87,13 @@ def test_bench_prints_both_sides_and_the_ratios(qwen3) -> None:
     for ratio, (a, b) in ((float(best), rates[0::2]), (float(median), rates[1::2])):
         bound = 0.005 + 0.05 * (1 + ratio) / (b - 0.05)  # rates rounded by 0.05, ratio 0.005
         assert abs(ratio - a / b) <= bound, out
-    share = re.search(r"decode step at batch 4: [\d.]+ ms on fresh prompts, ([\d.]+)% of it", out)
-    assert share and 0 < float(share[1]) < 100, out
+    share = re.search(
+        r"decode step at batch 4: ([\d.]+) ms on fresh prompts, ([\d.]+)% of it \(([\d.]+) ms\)",
+        out,
+    )
+    assert share and 0 < float(share[2]) < 100, out
+    step, percent, host = map(float, share.groups())  # host = step x share, each rounded
+    assert abs(host - step * percent / 100) <= 0.0005 + 0.005 * percent / 100 + step * 0.0005, out
     assert re.search(r"decode step floor: [\d.]+ ms \(matmul .* GFLOP/s", out), out
     mean = re.search(r"4 prompts of 8-16 tokens \(mean (\d+)\), 4 output tokens each", out)
     assert mean and 8 <= int(mean[1]) <= 16, out
