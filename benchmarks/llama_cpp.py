@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,10 +171,14 @@ def run(cmd: list[str]) -> None:
 
 
 def measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, float]:
-    """Run cmd; its stdout and the peak RSS (MB) the kernel recorded for it."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    out = proc.stdout.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
+    """Run cmd; its stdout and the peak RSS (MB) the kernel recorded for it. Its
+    stdout goes to a file: into a pipe, llama-batched-bench's logger thread left
+    its table unprinted in two runs of three on this machine, into a file in none."""
+    with tempfile.TemporaryFile() as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.DEVNULL, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        sink.seek(0)
+        out = sink.read().decode()
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}:\n{out[-2000:]}")
