@@ -109,18 +109,25 @@ class Run:
     peak_blocks: int
 
 
+def text_at(path: str, commit: str) -> str:
+    """A file of this repository as ``commit`` had it, so that a demo reading the
+    book's own text does not change when the text is edited."""
+    shown = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{commit}:{path}"], capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        raise RuntimeError(f"git cannot show {path} at {commit[:12]}: {shown.stderr.strip()}")
+    return shown.stdout
+
+
 def heldout_text() -> tuple[str, str]:
     """The held-out file as the tiny models' corpus commit had it, and where it came
     from; the working tree's copy (also never trained on) if git cannot show it."""
     commit = json.loads((MODELS / "records.json").read_text())["corpus"]["commit"]
-    shown = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{commit}:{HELDOUT_FILE}"],
-        capture_output=True,
-        text=True,
-    )
-    if shown.returncode == 0:
-        return shown.stdout, f"{HELDOUT_FILE} at {commit[:12]}"
-    return (ROOT / HELDOUT_FILE).read_text(), f"{HELDOUT_FILE} (working tree)"
+    try:
+        return text_at(HELDOUT_FILE, commit), f"{HELDOUT_FILE} at {commit[:12]}"
+    except RuntimeError:
+        return (ROOT / HELDOUT_FILE).read_text(), f"{HELDOUT_FILE} (working tree)"
 
 
 def windows(token_ids: list[int], sizes: Sizes) -> list[list[int]]:

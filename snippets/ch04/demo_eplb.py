@@ -19,22 +19,24 @@ and every count and ratio here would move with it.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
 from engine import LLM, SamplingParams
 from engine.distributed.eplb import imbalance, rebalance_experts
+from engine.tools.kv_quality import text_at
 
 MODEL = os.environ.get("DEEPINFER_DEMO_MODEL", "snippets/models/deepinfer-tiny-moe")
 TEXT = "docs/ch01-batching-and-the-kv-cache.md"
+# Chapter 1 as this commit has it: an edit to the chapter changes no count here.
+TEXT_COMMIT = "e0cd6cab982560c551369779fc5bc383b7e08526"
 EP, REDUNDANT = 2, 4
 PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 64, 16
 MORE_RANKS = (4, 8)  # the policy alone, one redundant slot per rank
 
 
 def prompts(llm: LLM) -> list[list[int]]:
-    ids = llm.tokenizer.encode(Path(TEXT).read_text()).ids
+    ids = llm.tokenizer.encode(text_at(TEXT, TEXT_COMMIT)).ids
     return [ids[i * PROMPT_LEN : (i + 1) * PROMPT_LEN] for i in range(PROMPTS)]
 
 
