@@ -33,6 +33,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.request_checker import BlockChain, RequestChecker
+from engine.entrypoints import logs
 from engine.entrypoints.engine_core import CoreBatch, CoreFacts, CoreStats, EngineCore
 from engine.kv.handoff import Handoff
 from engine.models.loader import load_tokenizer
@@ -70,7 +71,11 @@ class CoreProcess:
         context = mp.get_context("spawn")  # a fresh interpreter: no threads forked
         self._conn, child = context.Pipe()
         # Not a daemon: a core with expert parallelism starts worker processes.
-        self.process = context.Process(target=run_core, args=(config, child), name="deepinfer-core")
+        # The core logs as the front end does: at its level, in its format.
+        level = logging.getLogger().getEffectiveLevel()
+        self.process = context.Process(
+            target=run_core, args=(config, child, level), name="deepinfer-core"
+        )
         self.process.start()
         child.close()
         facts = self._first_reply()
@@ -170,10 +175,11 @@ class CoreProcess:
         self._conn.close()
 
 
-def run_core(config: EngineConfig, conn: Connection) -> None:
+def run_core(config: EngineConfig, conn: Connection, log_level: int = logging.WARNING) -> None:
     """The core process: build the engine, say so, then step until told to stop
     or until the front end is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
+    logs.configure(logging.getLevelName(log_level))
     try:
         core = EngineCore(config)
     except Exception as err:

@@ -134,6 +134,8 @@ def test_a_core_outlives_neither_a_graceful_stop_nor_a_killed_server() -> None:
         with running(("serve", str(TINY), *SERVE_ARGS)) as (server,):
             [core] = core_processes(server.proc.pid)
             assert Path(f"/proc/{core}").exists()
+            # the core logs at the server's level: its start-up compile, at INFO
+            assert "compiled the decode step" in server.log.read_text(), server.log_tail()
             if kill:
                 server.kill()
             else:
