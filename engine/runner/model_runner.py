@@ -47,7 +47,13 @@ from engine.runner.prompt_logprobs import (
     prompt_rows,
 )
 from engine.sampling_params import SamplingParams
-from engine.sched.scheduler_output import HOLE, GrammarOutput, ScheduledRequest, SchedulerOutput
+from engine.sched.scheduler_output import (
+    HOLE,
+    GrammarOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    padded,
+)
 from engine.spec_decode.mtp import MTPProposer, mtp_target
 from engine.spec_decode.rejection_sampler import SampledDrafts, verify_sampled
 from engine.utils import cdiv, to_device
@@ -555,12 +561,6 @@ def tables_with_holes(items: list[ScheduledRequest]) -> tuple[list[list[int]], l
     are and padded with -1, and its real length once the step is done."""
     ends = [item.num_computed_tokens + item.num_new_tokens for item in items]
     return padded([item.block_table for item in items]), ends
-
-
-def padded(tables: list[list[int]]) -> list[list[int]]:
-    """The tables as rows of one width, padded with HOLE (-1)."""
-    width = max((len(table) for table in tables), default=0)
-    return [list(table) + [HOLE] * (width - len(table)) for table in tables]
 
 
 def kept_blocks(block_table: list[int], end: int, block_size: int) -> tuple[list[int], int]:

@@ -24,6 +24,12 @@ PLACEHOLDER = -1
 HOLE = -1
 
 
+def padded(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables as rows of one width, padded with HOLE, for one tensor."""
+    width = max((len(table) for table in tables), default=0)
+    return [list(table) + [HOLE] * (width - len(table)) for table in tables]
+
+
 @dataclass
 class NewRequestData:
     """A request the model runner has not seen: what it keeps until the request ends."""

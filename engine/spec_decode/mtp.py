@@ -50,7 +50,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kv.kv_cache import KVCachePool
 from engine.layers.sampler import argmax
 from engine.models.base import CausalLM
-from engine.sched.scheduler_output import ScheduledRequest
+from engine.sched.scheduler_output import ScheduledRequest, padded
 from engine.utils import cdiv, to_device
 
 HELD = -1  # in SeqRows.hidden_rows: the h held from the request's previous step
@@ -113,12 +113,10 @@ def paged_metadata(
     slots = [t[p // bs] * bs + p % bs for ps, t in zip(positions, tables) for p in ps]
     query_lens = [len(ps) for ps in positions]
     context_lens = [ps[-1] + 1 for ps in positions]
-    width = max(len(t) for t in tables)
-    padded = [t + [-1] * (width - len(t)) for t in tables]
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
     return AttentionMetadata(
         slot_mapping=to_device(slots, torch.int64, device),
-        block_tables=to_device(padded, torch.int32, device),
+        block_tables=to_device(padded(tables), torch.int32, device),
         context_lens=to_device(context_lens, torch.int32, device),
         cu_seqlens_q=to_device(list(accumulate(query_lens, initial=0)), torch.int32, device),
         num_decodes=num_decodes,
