@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -74,3 +75,20 @@ def site(tmp_path_factory) -> Iterator[Site]:
     thread.start()
     yield Site(url, out)
     server.shutdown()
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (dead, waiting to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "\nState:\tZ" in status.read_text()
+
+
+def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(gone(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if not gone(p)]

@@ -302,8 +302,7 @@ class ModelRunner:
             if item.samples:  # the last token's hidden state, and each draft's, give a token
                 logits_indices += range(len(input_ids) - 1 - item.num_drafts, len(input_ids))
                 req_ids.append(item.req_id)
-        width = max(len(table) for table in tables)
-        tables = [table + [-1] * (width - len(table)) for table in tables]
+        tables = padded(tables)  # one width, with -1 (HOLE) after each shorter table
         # --8<-- [end:flatten_batch]
         if self.model.reads_block_holes:  # by position, holes and all (DeepSeek-V4)
             tables, context_lens = tables_with_holes(items)

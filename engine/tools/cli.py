@@ -119,6 +119,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_engine_core(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    parser.add_argument(
+        "--engine-core",
+        choices=["process", "thread"],
+        default="process",
+        help=prefix + "run the engine's steps in a process of their own (default), or in a "
+        "thread beside the HTTP side, which then shares one interpreter lock with them",
+    )
+
+
 def _add_read_timeouts(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head-timeout",
@@ -450,13 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_speculative(serve)
     _add_kv_window(serve)
-    serve.add_argument(
-        "--engine-core",
-        choices=["process", "thread"],
-        default="process",
-        help="run the engine's steps in a process of their own (default), or in a "
-        "thread beside the HTTP side, which then shares one interpreter lock with them",
-    )
+    _add_engine_core(serve)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
@@ -533,12 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--threads", type=int, default=1, help="with --serve: torch threads on each side"
     )
-    bench.add_argument(
-        "--engine-core",
-        choices=["process", "thread"],
-        default="process",
-        help="with --serve: where the server runs its engine core (see deepinfer serve)",
-    )
+    _add_engine_core(bench, "with --serve: the server's engine core: ")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per side")
     bench.add_argument("--device", default=None)

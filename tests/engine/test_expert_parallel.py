@@ -15,14 +15,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.distributed.multiproc_executor import WorkerDiedError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_gone
 from tests.engine.conftest import random_prompts
 
 TINY_MOE = ROOT / "snippets" / "models" / "deepinfer-tiny-moe"
@@ -35,23 +34,6 @@ TEXT_PROMPTS = [
     "import torch\n",
     "class MoE(nn.Module):",
 ]
-
-
-def gone(pid: int) -> bool:
-    """No such process, or only its zombie (dead, waiting to be reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "\nState:\tZ" in status.read_text()
-
-
-def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not all(gone(p) for p in pids):
-        time.sleep(0.2)
-    return [p for p in pids if not gone(p)]
 
 
 def run(llm: LLM, prompts) -> list[list[int]]:

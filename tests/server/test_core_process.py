@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.entrypoints.api_server import ServerConfig, build_app
 from engine.entrypoints.core_process import CoreProcess
+from engine.tools.launch import descendants
+from tests.conftest import wait_gone
 from tests.server.conftest import SERVE_ARGS, TINY, in_thread, running
 
 MODEL = "deepinfer-tiny"
@@ -124,9 +125,8 @@ def test_a_killed_core_process_fails_its_requests_and_the_server_says_so() -> No
 
 
 def core_processes(pid: int) -> list[int]:
-    """The server's children that multiprocessing spawned (not its resource tracker)."""
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    """The server's descendants that multiprocessing spawned (not its resource tracker)."""
+    return [k for k in descendants(pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
 
 
 def test_a_core_outlives_neither_a_graceful_stop_nor_a_killed_server() -> None:
@@ -141,16 +141,4 @@ def test_a_core_outlives_neither_a_graceful_stop_nor_a_killed_server() -> None:
             else:
                 server.proc.terminate()
                 server.proc.wait(timeout=60)
-        deadline = time.monotonic() + 30
-        while _running(core) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _running(core), f"the core process {core} outlived its server (kill={kill})"
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting for its parent to reap it."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
+        assert not wait_gone([core], 30), f"the core process {core} outlived its server ({kill=})"
