@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad
@@ -21,6 +23,7 @@ from engine.kv.kv_cache import KVBlocks, KVCacheConfig
 from engine.outputs import ModelRunnerOutput
 from engine.runner.async_model_runner import AsyncModelRunner, StepFuture
 from engine.runner.model_runner import ModelRunner
+from engine.runner.torch_thread import TorchThread
 from engine.sched.scheduler_output import SchedulerOutput
 
 
@@ -80,11 +83,21 @@ class Executor(ABC):
 
 
 class UniProcExecutor(Executor):
-    """One model runner, in the engine's own process."""
+    """One model runner, in the engine's own process. With async scheduling on a
+    CPU it lives on a thread of its own (runner/torch_thread.py), and every call
+    goes there, after the step already queued."""
 
     def __init__(self, config: EngineConfig, stats: EngineStats) -> None:
-        runner = AsyncModelRunner if config.async_scheduling else ModelRunner
-        self.model_runner = runner(config, stats)
+        self.thread: TorchThread | None = None
+        if not config.async_scheduling:
+            self.model_runner: ModelRunner = ModelRunner(config, stats)
+        elif torch.device(config.device).type != "cpu":
+            self.model_runner = AsyncModelRunner(config, stats)
+        else:
+            self.thread = TorchThread()
+            self.model_runner = self.thread.call(AsyncModelRunner, config, stats, self.thread)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(self.model_runner, method)(*args)]
+        call = getattr(self.model_runner, method)
+        return [call(*args) if self.thread is None else self.thread.call(call, *args)]
+

@@ -64,7 +64,9 @@ class AsyncLLM:
         core: CoreMode = "thread",
     ) -> None:
         self.config = config
-        self.core: CoreClient = CoreProcess(config) if core == "process" else EngineCore(config)
+        self.core: CoreClient = (
+            CoreProcess(config) if core == "process" else EngineCore.in_thread(config)
+        )
         self.tokenizer = self.core.tokenizer
         facts = self.core.facts
         # The store's key space (Chapter 8): the chain root, None without a store.

@@ -1,7 +1,7 @@
 """The engine core: it takes requests and aborts from a queue, steps the engine
 while any request is unfinished, and hands every step's EngineCoreOutputs to the
 front end, which turns them into text. It runs in a thread of its own beside the
-front end (EngineCore.start), or in a process of its own (core_process.py), and
+front end (EngineCore.in_thread), or in a process of its own (core_process.py), and
 the front end sees either through the same small interface (CoreClient).
 
 LLMEngine.step ends by handing the step's outputs to its output processor. Here
@@ -140,7 +140,9 @@ class EngineCore:
         self.outbox = Outbox()
         self.engine.output_processor = self.outbox
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # in_thread's; None: run() in the caller's
+        self._starts: queue.SimpleQueue = queue.SimpleQueue()  # start()'s deliver, for that thread
+        self._started = False
         self.dead: str | None = None  # why the core stopped, if it failed for good
         self.rejected: dict[str, str] = {}  # requests refused on arrival, for the next batch
         self._sent_saving = False
@@ -170,11 +172,42 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         self.inbox.put(("abort", request_ids))
 
-    def start(self, deliver: Callable[[CoreBatch], None]) -> None:
-        self.thread = threading.Thread(
-            target=self.run, args=(deliver,), name="engine-core", daemon=True
+    @classmethod
+    def in_thread(cls, config: EngineConfig) -> EngineCore:
+        """A core in a thread of its own, which loads the model, then steps it
+        once started. On a CPU the thread that runs the forward pass must be the
+        one that loaded the model: each thread that runs torch's parallel
+        operators gets an OpenMP pool of its own, and two pools on too few cores
+        slow every forward pass (runner/torch_thread.py)."""
+        made: queue.SimpleQueue = queue.SimpleQueue()
+        thread = threading.Thread(
+            target=cls._thread_main, args=(config, made), name="engine-core", daemon=True
         )
-        self.thread.start()
+        thread.start()
+        core = made.get()
+        if isinstance(core, BaseException):
+            raise core
+        return core
+
+    @classmethod
+    def _thread_main(cls, config: EngineConfig, made: queue.SimpleQueue) -> None:
+        try:
+            core = cls(config)
+        except BaseException as err:  # for the caller of in_thread to raise
+            made.put(err)
+            return
+        core.thread = threading.current_thread()
+        made.put(core)
+        deliver = core._starts.get()
+        if deliver is not None:  # None: stopped before it started
+            core.run(deliver)
+
+    def start(self, deliver: Callable[[CoreBatch], None]) -> None:
+        """Begin stepping, in the core's thread (made by in_thread)."""
+        if self.thread is None:
+            raise RuntimeError("start() needs a core made by EngineCore.in_thread")
+        self._starts.put(deliver)
+        self._started = True
 
     def reject(self, failures: list[tuple[str, str]]) -> None:
         """Requests refused on arrival: (request id, why), sent with the next batch."""
@@ -187,6 +220,8 @@ class EngineCore:
     def stop(self) -> None:
         if self.thread is not None:
             self.stop_soon()
+            if not self._started:
+                self._starts.put(None)
             self.thread.join(timeout=30)
 
     def run(self, deliver: Callable[[CoreBatch], None]) -> None:

@@ -8,7 +8,9 @@ of it, the forward pass and sampling:
   the sampled ids are copied to pinned host memory without waiting, and an event
   marks when they have arrived (AsyncCUDAOutput);
 - on a CPU, on a single worker thread. torch releases the GIL inside its ops, so
-  the engine's thread really does schedule while the forward runs.
+  the engine's thread really does schedule while the forward runs. That worker
+  does all of the runner's work, its loading and input building too: a second
+  thread running torch operators slows every forward pass (torch_thread.py).
 
 Either way the steps run one at a time, in the order they were launched. That is
 what lets a step read, on the device, the tokens the step before it sampled
@@ -17,7 +19,6 @@ what lets a step read, on the device, the tokens the step before it sampled
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
@@ -28,6 +29,7 @@ from engine.core.stats import EngineStats
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
 from engine.runner.future_tokens import FutureTokens
 from engine.runner.model_runner import ModelRunner, PreparedStep
+from engine.runner.torch_thread import TorchThread
 from engine.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
 
 
@@ -38,19 +40,25 @@ class StepFuture(Protocol):
 
 
 class AsyncModelRunner(ModelRunner):
-    def __init__(self, config: EngineConfig, stats: EngineStats | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        stats: EngineStats | None = None,
+        worker: TorchThread | None = None,
+    ) -> None:
+        """``worker``: on a CPU, the thread this runner is built on and called on
+        (UniProcExecutor makes it), where each step's forward pass queues too."""
         super().__init__(config, stats)
         self.future = FutureTokens(config.max_num_seqs, self.device)
-        self.worker = None
-        if self.device.type == "cpu":  # with as many intra-op threads as this thread has
-            threads = torch.get_num_threads()
-            self.worker = ThreadPoolExecutor(1, "forward", torch.set_num_threads, (threads,))
+        if self.device.type == "cpu" and worker is None:
+            raise ValueError("on a CPU, AsyncModelRunner runs on a TorchThread it is given")
+        self.worker = worker if self.device.type == "cpu" else None
 
     # --8<-- [start:launch]
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         """Prepare the step here; leave its forward pass and sampling running."""
         step = self.prepare_inputs(scheduler_output)
-        if self.worker is not None:  # CPU: the forward on the worker thread
+        if self.worker is not None:  # CPU: queued on the worker, which runs this call too
             return self.worker.submit(self.execute_prepared, step)
         return AsyncCUDAOutput(self.execute_prepared(step))  # GPU: queued on the stream
 

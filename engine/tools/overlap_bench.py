@@ -1,5 +1,5 @@
 """Benchmark async scheduling: the engine with async_scheduling off and on, on
-the same requests, in one run.
+the same requests, in one run, each setting in a process of its own.
 
     python -m engine.tools.overlap_bench [--model PATH] [--num-prompts 64 256]
                                          [--output-len 32] [--device cuda]
@@ -30,7 +30,7 @@ import torch
 from engine.core.trace import Span
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.tools.bench import random_prompts
+from engine.tools.bench import in_own_process, random_prompts
 
 DEFAULT_MODEL = "snippets/models/deepinfer-tiny"
 
@@ -80,6 +80,37 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> Measured:
     return Measured(seconds, tokens, 1 - busy / (window[1] - window[0]), llm.stats.discarded_tokens)
 
 
+def side(
+    model: str,
+    batch: int,
+    async_scheduling: bool,
+    input_len: tuple[int, int],
+    output_len: int,
+    device: str | None,
+    seed: int,
+    threads: int,
+) -> tuple[Measured, str]:
+    """One setting, in a process of its own (in_own_process): on a CPU, a second
+    thread that has run torch's parallel operators slows every forward pass
+    after it (runner/torch_thread.py), so the settings cannot share a process."""
+    torch.set_num_threads(threads)
+    llm = LLM(
+        model,
+        seed=seed,
+        device=device,
+        max_num_seqs=batch,
+        async_scheduling=async_scheduling,
+        trace=True,
+    )
+    vocab = llm.llm_engine.config.hf_config.vocab_size
+    prompts = random_prompts(batch, *input_len, vocab, seed)
+    # Warm up on these very requests: torch's first passes at new shapes are slow.
+    llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    cfg = llm.llm_engine.config
+    setup = f"{cfg.device}, {str(cfg.dtype).removeprefix('torch.')}"
+    return measure(llm, prompts, output_len), setup
+
+
 def run(
     model: str,
     batches: list[int],
@@ -87,6 +118,7 @@ def run(
     output_len: int,
     device: str | None = None,
     seed: int = 0,
+    threads: int = 1,
 ) -> str:
     lines = []
     if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
@@ -99,30 +131,14 @@ def run(
             "no GPU here: this run is on the CPU. On a machine with one,",
             "  --device cuda measures the GPU's idle time from CUDA events.",
         ]
-    results = {}
+    results, setup = {}, ""
     for batch in batches:
-        # Warm the process up on these very requests: torch's first passes at new
-        # shapes are slow, and the first engine measured would pay for them.
-        warm = LLM(model, seed=seed, device=device, max_num_seqs=batch)
-        vocab = warm.llm_engine.config.hf_config.vocab_size
-        prompts = random_prompts(batch, *input_len, vocab, seed)
-        warm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
-        del warm
         for async_scheduling in (False, True):
-            llm = LLM(
-                model,
-                seed=seed,
-                device=device,
-                max_num_seqs=batch,
-                async_scheduling=async_scheduling,
-                trace=True,
-            )
-            results[batch, async_scheduling] = measure(llm, prompts, output_len)
-    cfg = llm.llm_engine.config
+            args = model, batch, async_scheduling, input_len, output_len, device, seed, threads
+            results[batch, async_scheduling], setup = in_own_process(side, *args)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines += [
-        f"model {model}; {cfg.device}, {str(cfg.dtype).removeprefix('torch.')}, "
-        f"{torch.get_num_threads()} torch threads",
+        f"model {model}; {setup}, {threads} torch threads; each setting in its own process",
         f"{os.cpu_count()} CPUs, load average {load:.1f} (other processes' too)",
         f"prompts of {input_len[0]}-{input_len[1]} tokens, {output_len} output tokens each",
         "",
@@ -169,6 +185,7 @@ def main() -> None:
             args.output_len,
             args.device,
             args.seed,
+            args.threads,
         )
     )
 

@@ -3,7 +3,7 @@
 BATCH prompts each generate MAX_TOKENS tokens on the tiny model, once with
 async_scheduling off and once on, each run with a step trace (trace=True):
 when each stage of each step ran, and on which thread. The demo prints what
-the traces show on any machine: the thread each stage ran on, and for how many
+the traces show on any machine: the stages each thread ran, and for how many
 pairs of steps the inputs of step N+1 were built before step N's tokens were
 folded in. How long each stage took depends on the machine, so it prints no
 time. Under `make regen` it also saves steps FIRST_SHOWN to LAST_SHOWN of both
@@ -71,16 +71,18 @@ def main() -> dict:
     results: dict = {"batch": BATCH, "max_tokens": MAX_TOKENS}
     for name, llm in runs.items():
         steps, ahead, lane = llm.stats.steps, built_ahead(llm), lanes(llm)
-        others = "+".join(sorted({v for k, v in lane.items() if k != "forward"}))
         print(f"async {name}: {steps} steps")
-        if others == lane["forward"]:
-            print(f"  every stage on the {others} thread")
-        else:
-            print(f"  forward on the {lane['forward']} thread, the rest on {others}")
+        stages_on: dict[str, list[str]] = {}
+        for stage, thread in lane.items():
+            stages_on.setdefault(thread, []).append(stage)
+        for thread, stages in stages_on.items():
+            print(f"  {thread}: {', '.join(stages)}")
         print(f"  next step built before the last folded in: {ahead} of {steps - 1}")
         results[f"steps_{name}"] = steps
         results[f"built_ahead_{name}"] = ahead
         results[f"forward_lane_{name}"] = lane["forward"]
+        results[f"prepare_lane_{name}"] = lane["prepare"]
+        results[f"schedule_lane_{name}"] = lane["schedule"]
         results[f"discarded_{name}"] = llm.stats.discarded_tokens
     same = [o.token_ids for o in runs["on"].outputs] == [o.token_ids for o in runs["off"].outputs]
     print(f"tokens identical, off and on: {same}")

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+import engine.runner.model_runner as model_runner
 import engine.sched.async_scheduler as async_scheduler
 from engine import LLM, SamplingParams
 from tests.engine.conftest import hf_greedy, random_prompts
@@ -110,45 +111,40 @@ def test_length_finishes_are_known_ahead_and_waste_nothing(qwen3) -> None:
     assert async_llm.stats.decode_tokens == sync_llm.stats.decode_tokens
 
 
-def test_the_next_step_is_built_while_the_forward_runs(qwen3) -> None:
-    """Each forward pass waits, on the worker thread, until the engine has built
-    the next step's inputs, placeholders and all. A serial engine, or one whose
+def test_the_next_step_is_scheduled_while_the_forward_runs(qwen3) -> None:
+    """Each forward pass waits, on the worker thread, until the engine has
+    scheduled the next step, placeholders and all. A serial engine, or one whose
     next step needed this step's tokens on the host, would wait forever (here:
     time out); this one finishes, with the same tokens. The last forward has no
-    next step to wait for: the engine finds nothing more to schedule."""
+    next step to wait for: the engine finds nothing more to schedule. (On a CPU
+    the next step's inputs are built on the worker, after this forward pass:
+    runner/torch_thread.py.)"""
     llm = LLM(qwen3[0], dtype="float32", async_scheduling=True)
     engine = llm.llm_engine
     scheduler, runner = engine.scheduler, engine.executor.model_runner
-    calls = {"prepared": 0, "forward": 0, "ended": False}
+    calls = {"scheduled": 0, "forward": 0, "ended": False}
     ready = threading.Condition()
-    schedule, prepare, execute = scheduler.schedule, runner.prepare_inputs, runner.execute_prepared
+    schedule, execute = scheduler.schedule, runner.execute_prepared
 
-    def watched_schedule():
+    def counted_schedule():
         out = schedule()
         with ready:
+            calls["scheduled"] += bool(out.scheduled)
             calls["ended"] |= not out.scheduled
             ready.notify_all()
         return out
 
-    def counted_prepare(scheduler_output):
-        step = prepare(scheduler_output)
-        with ready:
-            calls["prepared"] += 1
-            ready.notify_all()
-        return step
-
-    released = []  # for each forward: released by the next step's inputs being built?
+    released = []  # for each forward: released by the next step being scheduled?
 
     def gated_execute(step):
         calls["forward"] += 1
         n = calls["forward"]
         with ready:
-            ok = ready.wait_for(lambda: calls["prepared"] > n or calls["ended"], 30)
-            released.append(ok and calls["prepared"] > n)
+            ok = ready.wait_for(lambda: calls["scheduled"] > n or calls["ended"], 30)
+            released.append(ok and calls["scheduled"] > n)
         return execute(step)
 
-    scheduler.schedule, runner.prepare_inputs = watched_schedule, counted_prepare
-    runner.execute_prepared = gated_execute
+    scheduler.schedule, runner.execute_prepared = counted_schedule, gated_execute
     prompts = random_prompts(4, seed=64)
     outputs = llm.generate(prompts, greedy(6), use_tqdm=False)
     assert len(released) == llm.stats.steps > 2
@@ -174,8 +170,10 @@ def test_the_trace_records_every_stage_of_every_step(qwen3, tmp_path) -> None:
             (stage, n) for stage in stages for n in range(1, steps + 1)
         )
         forward_lane = "worker" if async_scheduling else "main"
-        assert {s.lane for s in spans if s.stage == "forward"} == {forward_lane}
-        assert {s.lane for s in spans if s.stage != "forward"} == {"main"}
+        # On a CPU the runner's whole share runs on the worker (runner/torch_thread.py).
+        runner_stages = ("prepare", "forward")
+        assert {s.lane for s in spans if s.stage in runner_stages} == {forward_lane}
+        assert {s.lane for s in spans if s.stage not in runner_stages} == {"main"}
         by = stage_spans(llm)
         for n in range(1, steps):
             # Async: step N+1's inputs are built before step N's outputs are folded in.
@@ -259,3 +257,29 @@ def test_a_finished_id_waits_for_a_step_to_carry_it_to_the_model_runner(qwen3) -
         assert [len(o.token_ids) for o in outs] == [tokens.index(tokens[2]) + 1, 4]
         assert llm.stats.discarded_tokens > 0  # the first one finished late
         assert len(runner.future.slots) <= 2 and len(runner.requests) <= 2
+
+
+def test_on_a_cpu_one_thread_does_all_of_the_runners_torch_work(qwen3, monkeypatch) -> None:
+    """Every thread that runs torch's parallel operators gets an OpenMP pool of
+    its own, and two pools on too few cores slow every forward pass
+    (runner/torch_thread.py). So with async scheduling on a CPU the model loads,
+    and every call into the runner runs, on the one worker thread, never on the
+    engine's own."""
+    threads: dict[str, set[int]] = {}
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            threads.setdefault(name, set()).add(threading.get_ident())
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(model_runner, "load_model", record("load", model_runner.load_model))
+    for name in ("prepare_inputs", "execute_prepared", "kv_cache_config"):
+        fn = getattr(model_runner.ModelRunner, name)
+        monkeypatch.setattr(model_runner.ModelRunner, name, record(name, fn))
+    llm = LLM(qwen3[0], dtype="float32", async_scheduling=True)
+    llm.generate(random_prompts(3, seed=66), greedy(4), use_tqdm=False)
+    assert set(threads) == {"load", "prepare_inputs", "execute_prepared", "kv_cache_config"}
+    assert len(set().union(*threads.values())) == 1, threads
+    assert threading.get_ident() not in threads["load"]

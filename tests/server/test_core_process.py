@@ -11,15 +11,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+import engine.runner.model_runner as model_runner
 from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.entrypoints.api_server import ServerConfig, build_app
 from engine.entrypoints.core_process import CoreProcess
+from engine.entrypoints.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
 from engine.tools.launch import descendants
 from tests.conftest import wait_gone
 from tests.server.conftest import SERVE_ARGS, TINY, in_thread, running
@@ -142,3 +148,33 @@ def test_a_core_outlives_neither_a_graceful_stop_nor_a_killed_server() -> None:
                 server.proc.terminate()
                 server.proc.wait(timeout=60)
         assert not wait_gone([core], 30), f"the core process {core} outlived its server ({kill=})"
+
+
+def test_a_thread_core_loads_its_model_in_the_thread_that_steps_it(monkeypatch) -> None:
+    """The thread core's model loads in the core's own thread, not the caller's:
+    a second thread running torch's parallel operators would give OpenMP a
+    second pool and slow every forward pass (runner/torch_thread.py)."""
+    threads: dict[str, set[int]] = {"load": set(), "step": set()}
+    load, step = model_runner.load_model, LLMEngine.step
+
+    def recorded_load(*args, **kwargs):
+        threads["load"].add(threading.get_ident())
+        return load(*args, **kwargs)
+
+    def recorded_step(self):
+        threads["step"].add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(model_runner, "load_model", recorded_load)
+    monkeypatch.setattr(LLMEngine, "step", recorded_step)
+    core = EngineCore.in_thread(config())
+    batches = []
+    core.start(batches.append)
+    core.add([core.make_sequence("a", [5, 6, 7], SamplingParams(max_tokens=3))])
+    deadline = time.monotonic() + 60
+    while not any(o.finish_reason for b in batches for o in b.outputs):
+        assert time.monotonic() < deadline, "the core gave no finished output"
+        time.sleep(0.01)
+    core.stop()
+    assert threads["step"] and threads["load"] == threads["step"] == {core.thread.ident}
+    assert threading.get_ident() not in threads["load"]

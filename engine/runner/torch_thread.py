@@ -1,0 +1,38 @@
+"""The one thread that does an engine's torch work on a CPU.
+
+PyTorch parallelises a CPU operator with OpenMP, and GNU OpenMP (which the
+Linux wheels ship) gives every thread that runs a parallel region a thread pool
+of its own, kept for as long as that thread lives. Once the pools together hold
+more threads than the machine has cores, libgomp stops spinning between
+regions and wakes its threads through the kernel instead, in every pool, for
+good. A decode step of the tiny model on two cores then took twice as long or
+more, whichever thread ran it (``python -m engine.tools.overlap_bench``).
+
+So an engine that runs its forward pass on a thread other than the one that
+loaded the model must load it there too, and keep every large operator there:
+the model runner is built on this thread and every call to it goes through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+class TorchThread:
+    """A single worker thread, with as many intra-op threads as its creator has."""
+
+    def __init__(self, name: str = "forward") -> None:
+        threads = torch.get_num_threads()
+        self.pool = ThreadPoolExecutor(1, name, torch.set_num_threads, (threads,))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn`` after everything submitted before it; do not wait."""
+        return self.pool.submit(fn, *args)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on the thread, in turn, and wait for its result."""
+        return self.submit(fn, *args).result()
