@@ -100,4 +100,3 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         call = getattr(self.model_runner, method)
         return [call(*args) if self.thread is None else self.thread.call(call, *args)]
-
