@@ -73,6 +73,8 @@ class StepTrace:
         self._last_update = 0  # the step whose outputs process_outputs gets next
         self._gpu: list[tuple[int, Any, Any]] = []  # (step, start, end) CUDA events unread
         self._gpu_origin = None
+        # (object, method name, what the object itself held there, if anything), for detach
+        self._wrapped: list[tuple[Any, str, Any]] = []
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
             self._gpu_origin = (torch.cuda.Event(enable_timing=True), self._now())
@@ -112,7 +114,17 @@ class StepTrace:
                     self._gpu.append((step, *events))
             return result
 
+        self._wrapped.append((obj, name, vars(obj).get(name)))
         setattr(obj, name, traced)
+
+    def detach(self) -> None:
+        """Stop recording: each wrapped method is what it was before. The spans stay."""
+        for obj, name, own in reversed(self._wrapped):
+            if own is None:
+                delattr(obj, name)  # the class's method again
+            else:
+                setattr(obj, name, own)
+        self._wrapped = []
 
     def _mark(self, obj: Any, step: int) -> int:
         """Remember which step ``obj`` (a SchedulerOutput, or its inputs) belongs to."""

@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.core.trace import STAGES, StepTrace
 from engine.kv.kv_cache import FullAttentionSpec
 from engine.layers.linear import PackedLinear
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -103,24 +104,63 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> Result:
     return Result(seconds, sum(len(o.token_ids) for o in outputs), ttft, itl)
 
 
-def decode_overhead(llm: LLM, prompts: list[list[int]], steps: int = 16) -> tuple[float, float]:
+@dataclass
+class DecodeSteps:
+    """Decode steps measured at one batch size: the mean step, and its host work."""
+
+    step_s: float  # mean seconds a step
+    outside: float  # share of the step outside the model's forward pass
+    stages_ms: dict[str, float]  # mean ms a step in each stage of the host's work
+
+
+def decode_overhead(llm: LLM, prompts: list[list[int]], steps: int = 16) -> DecodeSteps:
     """Mean decode step time and the share of it spent outside the model's
-    forward pass, with every prompt in the batch already prefilled. The prompts
-    must be fresh: cached ones would make the prefill, not the step, cheaper."""
+    forward pass, with every prompt in the batch already prefilled, and that
+    share by stage, from a step trace (engine/core/trace.py) attached for the
+    timed steps alone. The prompts must be fresh: cached ones would make the
+    prefill, not the step, cheaper."""
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    # FINAL_ONLY, as LLM.generate asks (the runs above): text is spelled once, at the
+    # end, not every step (a server's front end does that, beside the core).
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=steps + 2,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     for i, p in enumerate(prompts):
         engine.add_request(f"decode-{i}", p, params)
     while any(s.num_output_tokens == 0 for s in engine.requests.values()):
         engine.step()
-    stats = engine.stats
+    stats, runner = engine.stats, engine.executor.model_runner
+    trace = StepTrace(engine.scheduler, runner, engine.output_processor, stats)
     step0, fwd0 = stats.step_seconds, stats.forward_seconds
     for _ in range(steps):
         engine.step()
     step, fwd = stats.step_seconds - step0, stats.forward_seconds - fwd0
+    trace.detach()
     while engine.has_unfinished_requests():
         engine.step()
-    return step / steps, (step - fwd) / step
+    return DecodeSteps(step / steps, (step - fwd) / step, host_stages(trace, step, fwd, steps))
+
+
+def host_stages(trace: StepTrace, step: float, forward: float, steps: int) -> dict[str, float]:
+    """Mean ms a step in each stage outside the forward pass. Sampling is the
+    traced forward stage less the model's forward pass; "other" is the rest of
+    the step (the engine's own bookkeeping, the trace's timers)."""
+    total = {stage: 0.0 for stage in STAGES}
+    for span in trace.spans:
+        if span.lane != "gpu":
+            total[span.stage] += span.end - span.start
+    ms = {
+        "schedule": total["schedule"],
+        "inputs": total["prepare"],
+        "sampling": total["forward"] - forward,
+        "update": total["update"],
+        "outputs": total["process"],
+    }
+    ms["other"] = step - forward - sum(ms.values())
+    return {name: seconds / steps * 1e3 for name, seconds in ms.items()}
 
 
 def matmul_gflops(dtype: torch.dtype, n: int = 1024, tries: int = 5) -> float:
@@ -177,10 +217,16 @@ def engine_side(
     warm_up(llm, work.warm_up())
     runs = [run_engine(llm, work.prompts(r), output_len) for r in range(repeats)]
     decode_prompts = work.prompts(repeats)  # fresh: not in the prefix cache
-    step_s, outside = decode_overhead(llm, decode_prompts)
+    decode = decode_overhead(llm, decode_prompts)
     mean_ctx = statistics.mean(work.lengths) + 1 + 8  # mid-way through the 16 timed steps
     floor_ms, why = decode_floor_ms(llm, len(work.lengths), mean_ctx)
-    extra = dict(step_ms=step_s * 1e3, outside=outside, floor_ms=floor_ms, floor_why=why)
+    extra = dict(
+        step_ms=decode.step_s * 1e3,
+        outside=decode.outside,
+        stages_ms=decode.stages_ms,
+        floor_ms=floor_ms,
+        floor_why=why,
+    )
     compiled = llm.llm_engine.executor.model_runner.compiled
     extra["compile_s"] = compiled.compile_seconds if compiled else None
     cfg = llm.llm_engine.config
@@ -385,6 +431,10 @@ def run(
         f"decode step at batch {num_prompts}: {e['step_ms']:.2f} ms on fresh prompts, "
         f"{e['outside']:.1%} of it ({e['step_ms'] * e['outside']:.3f} ms) outside the model "
         "forward: the host's scheduling, input building, sampling and output processing"
+    )
+    lines.append(
+        "  of which, ms a step: "
+        + ", ".join(f"{name} {ms:.3f}" for name, ms in e["stages_ms"].items())
     )
     lines.append(
         f"decode step floor: {e['floor_ms']:.2f} ms ({e['floor_why']}); "

@@ -283,3 +283,32 @@ def test_on_a_cpu_one_thread_does_all_of_the_runners_torch_work(qwen3, monkeypat
     assert set(threads) == {"load", "prepare_inputs", "execute_prepared", "kv_cache_config"}
     assert len(set().union(*threads.values())) == 1, threads
     assert threading.get_ident() not in threads["load"]
+
+
+def test_a_detached_trace_records_nothing_more_and_restores_what_it_wrapped(qwen3) -> None:
+    """`deepinfer bench` traces only its timed steps: a StepTrace attached to an
+    engine that already has one, then detached, leaves the engine's own trace
+    recording and its own spans as they were."""
+    from engine.core.trace import StepTrace
+
+    llm = LLM(qwen3[0], dtype="float32", trace=True)
+    engine = llm.llm_engine
+    runner = engine.executor.model_runner
+    extra = StepTrace(engine.scheduler, runner, engine.output_processor, engine.stats)
+    llm.generate(random_prompts(2, seed=67), greedy(3), use_tqdm=False)
+    recorded, own = len(extra.spans), len(engine.trace.spans)
+    assert recorded == own > 0
+    extra.detach()
+    llm.generate(random_prompts(2, seed=68), greedy(3), use_tqdm=False)
+    assert len(extra.spans) == recorded and len(engine.trace.spans) > own
+    plain = LLM(qwen3[0], dtype="float32")
+    scheduler = plain.llm_engine.scheduler
+    trace = StepTrace(
+        scheduler,
+        plain.llm_engine.executor.model_runner,
+        plain.llm_engine.output_processor,
+        plain.llm_engine.stats,
+    )
+    assert "schedule" in vars(scheduler)
+    trace.detach()
+    assert "schedule" not in vars(scheduler)  # the class's method again

@@ -94,6 +94,16 @@ def test_bench_prints_both_sides_and_the_ratios(qwen3) -> None:
     assert share and 0 < float(share[2]) < 100, out
     step, percent, host = map(float, share.groups())  # host = step x share, each rounded
     assert abs(host - step * percent / 100) <= 0.0005 + 0.005 * percent / 100 + step * 0.0005, out
+    # The host's share by stage: each stage's mean ms a step, summing to that share.
+    stages = re.search(
+        r"of which, ms a step: schedule ([\d.]+), inputs ([\d.]+), sampling (-?[\d.]+), "
+        r"update ([\d.]+), outputs ([\d.]+), other (-?[\d.]+)",
+        out,
+    )
+    assert stages, out
+    parts = [float(v) for v in stages.groups()]
+    assert all(v > 0 for v in parts[:2] + parts[3:5]), out  # each traced stage took time
+    assert abs(sum(parts) - host) <= 0.0005 * 7 + step * 0.0005 + 0.0005, out
     assert re.search(r"decode step floor: [\d.]+ ms \(matmul .* GFLOP/s", out), out
     mean = re.search(r"4 prompts of 8-16 tokens \(mean (\d+)\), 4 output tokens each", out)
     assert mean and 8 <= int(mean[1]) <= 16, out
