@@ -12,6 +12,7 @@ original, so memory does not double.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -48,6 +49,32 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(x.shape[0], out_features)
 
 
+class SharedWeightLinear(nn.Module):
+    """nn.Linear for a weight that must stay as it is, because another layer
+    shares it (a tied LM head reads the embedding's table). A single row goes
+    through torch.mv, W x: in bfloat16 on the CPU oneDNN reads a row-major weight
+    faster in that order than in x Wᵀ, the order F.linear asks for. More rows go
+    through F.linear: W xᵀ would come out transposed, and making it contiguous
+    costs more than it saves. (python -m engine.tools.cpu_linear_bench times
+    both at a real vocabulary's size.)"""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same parameter: still shared
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling() or flat.shape[0] != 1:  # a traced size may be any
+            y = F.linear(flat, self.weight, self.bias)
+        else:
+            y = torch.mv(self.weight, flat[0]).unsqueeze(0)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
@@ -58,18 +85,24 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace the model's nn.Linear layers by packed ones, except any whose weight
-    is shared with another parameter (a tied LM head): packing would copy it.
-    Returns how many were packed."""
+    is shared with another parameter (a tied LM head): packing would copy it. In
+    bfloat16 such a layer becomes a SharedWeightLinear, faster for one row; in
+    float32 it stays as it is. Returns how many were packed."""
     shared = _shared_weights(model)
     places = [
-        (parent, name)
+        (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and id(child.weight) not in shared
+        if type(child) is nn.Linear
     ]
-    for parent, name in places:  # each old weight is freed as soon as its copy is made,
-        setattr(parent, name, PackedLinear(getattr(parent, name)))  # and its memory reused
-    return len(places)
+    packed = 0
+    for parent, name, child in places:  # each old weight is freed as soon as its copy
+        if id(child.weight) not in shared:  # is made, and its memory reused
+            setattr(parent, name, PackedLinear(child))
+            packed += 1
+        elif child.weight.dtype == torch.bfloat16:
+            setattr(parent, name, SharedWeightLinear(child))
+    return packed
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

@@ -27,7 +27,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.core.trace import STAGES, StepTrace
 from engine.kv.kv_cache import FullAttentionSpec
-from engine.layers.linear import PackedLinear
+from engine.layers.linear import PackedLinear, SharedWeightLinear
 from engine.llm import LLM
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -189,7 +189,8 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float) -> tuple[float, s
     linear layer's FLOP at the measured matmul rate (or its weights' bytes at the
     measured bandwidth, if that is longer), plus the KV cache's bytes read."""
     runner = llm.llm_engine.executor.model_runner
-    linear = [m.weight for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    kinds = (nn.Linear, PackedLinear, SharedWeightLinear)
+    linear = [m.weight for m in runner.model.modules() if isinstance(m, kinds)]
     params = sum(w.numel() for w in linear)
     dtype = llm.llm_engine.config.dtype
     gflops, gbs = matmul_gflops(dtype), bandwidth_gbs()

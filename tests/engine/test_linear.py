@@ -1,5 +1,6 @@
 """Packed linear layers (engine/layers/linear.py): the same numbers as nn.Linear,
-the original weights let go, and a tied output head left alone."""
+the original weights let go, and a tied output head left unpacked: a single row
+through torch.mv in bfloat16, and left alone in float32."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers.linear import PackedLinear, can_pack, pack_linears
+from engine.layers.linear import PackedLinear, SharedWeightLinear, can_pack, pack_linears
+from engine.tools.cpu_linear_bench import run as linear_bench
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN"
@@ -39,13 +41,42 @@ class Tiny(nn.Module):
         self.head.weight = self.embed.weight  # tied, as many small models are
 
 
-def test_pack_linears_replaces_weights_and_skips_tied_ones() -> None:
-    model = Tiny()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (3, 5, 96), (1, 1, 96)])
+def test_weight_major_linear_matches_the_float64_product(dtype, bias, shape) -> None:
+    """Fresh random inputs each run, against the float64 product: one row goes
+    through torch.mv, more through F.linear."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    linear = nn.Linear(96, 200, bias=bias).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(200, 96, generator=gen))
+    x = torch.randn(shape, generator=gen).to(dtype)
+    got = SharedWeightLinear(linear)(x)
+    expected = x.double() @ linear.weight.double().T
+    if bias:
+        expected = expected + linear.bias.double()
+    assert got.shape == expected.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
+    err = (got.double() - expected).abs().max() / expected.abs().max()
+    assert err < tol, err
+
+
+def test_the_linear_bench_checks_both_sides() -> None:
+    out = linear_bench(vocab=300, hidden=64, repeats=1, batches=(1, 5))
+    rows = [line for line in out.splitlines() if line.strip().startswith(("1 ", "5 "))]
+    assert len(rows) == 2 and all(row.endswith("  ok") for row in rows), out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pack_linears_replaces_weights_and_skips_tied_ones(dtype) -> None:
+    model = Tiny().to(dtype)
     before = sum(p.numel() for p in model.parameters())
     up = model.up.weight
     assert pack_linears(model) == 2
     assert isinstance(model.up, PackedLinear) and isinstance(model.down, PackedLinear)
-    assert type(model.head) is nn.Linear and model.head.weight is model.embed.weight
+    head = SharedWeightLinear if dtype == torch.bfloat16 else nn.Linear
+    assert type(model.head) is head and model.head.weight is model.embed.weight
     assert sum(p.numel() for p in model.parameters()) == before  # counted as before
     packed = [p for p in model.parameters() if p.layout == torch._mkldnn]
     assert len(packed) == 2 and all(p is not up for p in model.parameters())  # not kept twice
