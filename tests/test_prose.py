@@ -238,6 +238,7 @@ OUTSIDE_NAMES = {
     "re",
     "ValueError",
     # torch, triton and the libraries the engine loads with
+    "OMP_WAIT_POLICY",  # GNU OpenMP's setting, which torch's CPU operators run under
     "torch",
     "triton",
     "tokenizers",

@@ -7,7 +7,7 @@ a bar on the thread that ran it. The times are one machine's, on one run.
 
 Both panels share one time axis, so that bars of equal length are equal times.
 Each panel's title gives the range of its forward passes, and the "on" panel's
-also how much longer they were than the "off" ones, on average, all computed
+also how much longer or shorter they were than the "off" ones, on average, all computed
 here from the saved spans. The saved window starts at the first shown step's
 schedule; with async scheduling on, the step before it is still running then,
 on the worker, and its spans are not in the window: a hatched bar marks where
@@ -40,14 +40,15 @@ def forwards(spans: list) -> list[float]:
 
 
 def titles(data: dict) -> dict[str, str]:
-    """'async off: forwards 4.3-4.6 ms', and for 'on' how much longer, on average."""
+    """'async off: forwards 4.3-4.6 ms', and for 'on' how much longer or shorter, on average."""
     out = {}
     base = mean(forwards(data["off"]))
     for name, spans in data.items():
         f = forwards(spans)
         out[name] = f"async {name}: forwards {min(f):.1f}–{max(f):.1f} ms"
         if name != "off":
-            out[name] += f", {mean(f) / base - 1:.0%} longer"
+            change = mean(f) / base - 1
+            out[name] += f", {abs(change):.0%} {'longer' if change >= 0 else 'shorter'}"
     return out
 
 
