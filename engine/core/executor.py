@@ -100,3 +100,8 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         call = getattr(self.model_runner, method)
         return [call(*args) if self.thread is None else self.thread.call(call, *args)]
+
+    def shutdown(self) -> None:
+        """Let the runner's thread end, with its OpenMP pool (torch_thread.py)."""
+        if self.thread is not None:
+            self.thread.shutdown()

@@ -23,16 +23,28 @@ import torch
 
 
 class TorchThread:
-    """A single worker thread, with as many intra-op threads as its creator has."""
+    """A single worker thread, with as many intra-op threads as its creator has.
+    It starts on first use; shutdown() lets it end, and its OpenMP pool with it,
+    so that a model run later on another thread does not meet a second pool."""
 
     def __init__(self, name: str = "forward") -> None:
-        threads = torch.get_num_threads()
-        self.pool = ThreadPoolExecutor(1, name, torch.set_num_threads, (threads,))
+        self.name = name
+        self.threads = torch.get_num_threads()
+        self.pool: ThreadPoolExecutor | None = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn`` after everything submitted before it; do not wait."""
+        if self.pool is None:  # first use, or first since shutdown(): a new thread
+            self.pool = ThreadPoolExecutor(1, self.name, torch.set_num_threads, (self.threads,))
         return self.pool.submit(fn, *args)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` on the thread, in turn, and wait for its result."""
         return self.submit(fn, *args).result()
+
+    def shutdown(self) -> None:
+        """Let the thread end once what was submitted is done (an engine that is
+        shut down, or collected). A later call starts another."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+            self.pool = None

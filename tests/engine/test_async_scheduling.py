@@ -312,3 +312,17 @@ def test_a_detached_trace_records_nothing_more_and_restores_what_it_wrapped(qwen
     assert "schedule" in vars(scheduler)
     trace.detach()
     assert "schedule" not in vars(scheduler)  # the class's method again
+
+
+def test_a_shut_down_engine_lets_its_worker_thread_end(qwen3) -> None:
+    """The worker's OpenMP pool lives as long as the worker thread, and would slow
+    an engine run later on another thread: shutdown lets the thread end. A call
+    after it starts a new one."""
+    llm = LLM(qwen3[0], dtype="float32", async_scheduling=True)
+    runner = llm.llm_engine.executor.model_runner
+    llm.generate(random_prompts(2, seed=69), greedy(3), use_tqdm=False)
+    worker = runner.worker.call(threading.current_thread)
+    llm.llm_engine.executor.shutdown()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert llm.generate(random_prompts(2, seed=70), greedy(3), use_tqdm=False)
