@@ -15,24 +15,14 @@ than the caches at the default size, as a real vocabulary's is.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from engine.layers.linear import SharedWeightLinear
+from engine.tools.sampler_bench import best_ms
 
 BATCHES = (1, 8, 64, 256)
-
-
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def check(head: nn.Linear, ours: SharedWeightLinear, x: torch.Tensor) -> str:
