@@ -142,7 +142,6 @@ class EngineCore:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None  # in_thread's; None: run() in the caller's
         self._starts: queue.SimpleQueue = queue.SimpleQueue()  # start()'s deliver, for that thread
-        self._started = False
         self.dead: str | None = None  # why the core stopped, if it failed for good
         self.rejected: dict[str, str] = {}  # requests refused on arrival, for the next batch
         self._sent_saving = False
@@ -207,7 +206,6 @@ class EngineCore:
         if self.thread is None:
             raise RuntimeError("start() needs a core made by EngineCore.in_thread")
         self._starts.put(deliver)
-        self._started = True
 
     def reject(self, failures: list[tuple[str, str]]) -> None:
         """Requests refused on arrival: (request id, why), sent with the next batch."""
@@ -220,8 +218,9 @@ class EngineCore:
     def stop(self) -> None:
         if self.thread is not None:
             self.stop_soon()
-            if not self._started:
-                self._starts.put(None)
+            self._starts.put(
+                None
+            )  # a core never started waits for this; a running one never reads it
             self.thread.join(timeout=30)
 
     def run(self, deliver: Callable[[CoreBatch], None]) -> None:

@@ -175,7 +175,6 @@ def main() -> None:
         help="torch's intra-op threads, for the forward on either thread (default 1)",
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     low, _, high = args.input_len.partition(":")
     print(
         run(
