@@ -6,7 +6,13 @@ Each client sends its next request as soon as its last one ends. Offline, the
 same prompts go through LLM.generate in waves of N, so that neither side ever
 has more than N requests in the batch. Time to first token is measured from the
 request's sending (server) or its arrival in the engine (offline); inter-token
-latency is a request's (last token - first token) / (tokens - 1).
+latency is a request's (last token - first token) / (tokens - 1). Under each
+table, the server's own TTFT histogram (from /metrics) splits its TTFT at the
+engine's door: what is left is HTTP, in and out, and the clients' own loop.
+
+Each number of clients gets prompts of its own, and the warm-up others again:
+a prompt either side has seen would find all but its last partial block in the
+prefix cache and skip that much prefill.
 
 The clients are aiohttp's, as in vLLM's serving benchmark. They share the
 machine with the server, so their own cost is in the figures: httpx's client,
@@ -21,9 +27,11 @@ import json
 import os
 import statistics
 import time
+import urllib.request
 
 import aiohttp
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -104,6 +112,31 @@ async def served(
     )
 
 
+def engine_ttft(url: str) -> tuple[float, int]:
+    """The server's own TTFT histogram, from its /metrics: (sum in s, count).
+    It starts at the request's arrival in the server's engine, after HTTP."""
+    with urllib.request.urlopen(url + "/metrics") as reply:
+        text = reply.read().decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "deepinfer:time_to_first_token_seconds":
+            found = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples}
+    return found.get("sum", 0.0), int(found.get("count", 0))
+
+
+def _in_engine(before: tuple[float, int], after: tuple[float, int], s: Measured) -> str:
+    """The server's TTFT split at its engine's door."""
+    count = after[1] - before[1]
+    if not count:
+        return "the server's engine reported no first tokens"
+    inside = (after[0] - before[0]) * 1e3 / count
+    outside = statistics.mean(s.ttft_ms) - inside
+    return (
+        f"server TTFT from arrival in its engine: {inside:.1f} ms mean; "
+        f"HTTP and the clients: {outside:.1f} ms"
+    )
+
+
 def _row(label: str, m: Measured) -> str:
     itl = statistics.mean(m.itl_ms) if m.itl_ms else float("nan")
     return (
@@ -143,8 +176,10 @@ def run(
     torch.set_num_threads(threads)
     llm = LLM(model, seed=seed, device=device, max_num_seqs=max(concurrency))
     hf = llm.llm_engine.config.hf_config
-    prompts = random_prompts(num_prompts, *input_len, hf.vocab_size, seed)
-    warm = prompts[: min(4, len(prompts))]
+    # Fresh prompts for the warm-up and for each number of clients: prompts the
+    # prefix cache has seen would skip most of their prefill on both sides.
+    sets = random_prompts(num_prompts * len(concurrency) + 4, *input_len, hf.vocab_size, seed)
+    warm = sets[:4]
     name = os.path.basename(os.path.normpath(model))
     lines = [
         f"model: {hf.architecture}, {hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
@@ -164,8 +199,11 @@ def run(
     with launched(*serve, env=env) as url:
         offline(llm, warm, 2, len(warm))
         asyncio.run(served(url, name, warm, 2, len(warm)))
-        for clients in concurrency:
+        for i, clients in enumerate(concurrency):
+            prompts = sets[4 + i * num_prompts : 4 + (i + 1) * num_prompts]
+            before = engine_ttft(url)
             s = asyncio.run(served(url, name, prompts, output_len, clients))
+            after = engine_ttft(url)
             o = offline(llm, prompts, output_len, clients)
             lines += [
                 f"{clients} concurrent clients",
@@ -173,6 +211,7 @@ def run(
                 _row("server", s),
                 _row("offline", o),
                 _ratio(s, o),
+                _in_engine(before, after, s),
                 "",
             ]
     return "\n".join(lines).rstrip()
