@@ -110,7 +110,8 @@ def main(out: str) -> None:
     if between:
         handles.append(plt.Line2D([], [], color="k", marker="v", ms=6, ls="none"))
         lengths = [length for _, length in between]
-        labels.append(f"gap {min(lengths):.2f}–{max(lengths):.2f} ms")
+        low, high = f"{min(lengths):.2f}", f"{max(lengths):.2f}"
+        labels.append(f"gap {low} ms" if low == high else f"gap {low}–{high} ms")
     fig.legend(handles, labels, loc="lower center", ncol=3)
     fig.tight_layout(rect=(0, 0.13, 1, 1))
     save_svg(fig, out)
