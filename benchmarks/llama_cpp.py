@@ -4,6 +4,7 @@
     python benchmarks/llama_cpp.py --model qwen3-0.6b-shape --batches 1,8,64
     python benchmarks/llama_cpp.py --dtypes bfloat16,float32 --input-len 143 --output-len 64
     python benchmarks/llama_cpp.py --dtypes bfloat16 --compile-decode --transformers
+    python benchmarks/llama_cpp.py --dtypes bfloat16 --compile-decode --autotune
 
 What it does, caching each step under --work (default benchmarks/.work):
 
@@ -19,7 +20,8 @@ What it does, caching each step under --work (default benchmarks/.work):
    greedy, no early stop. llama.cpp runs `llama-batched-bench` (one process per B);
    DeepInfer runs `LLM.generate` (one process per B and dtype, warmed up first on an
    unrelated batch; with --compile-decode, also with compile_decode=True, whose compile
-   happens at start-up, outside the timed run); with --transformers, transformers'
+   happens at start-up, outside the timed run; with --autotune, also compiled under
+   compile_mode="max-autotune"); with --transformers, transformers'
    `generate` runs too, warmed up alike. Each side's time covers prefill and decode; its
    peak RSS is the process's own, from the kernel (wait4).
 
@@ -219,7 +221,8 @@ torch.set_num_threads(int(threads))
 blocks = batch * -(-(input_len + output_len) // 16)
 llm = LLM(
     model, dtype=dtype, max_num_seqs=batch, block_size=16, num_kv_blocks=blocks,
-    compile_decode=compiled == "1",
+    compile_decode=compiled != "0",
+    compile_mode="max-autotune" if compiled == "autotune" else "default",
 )
 vocab = llm.llm_engine.config.hf_config.vocab_size
 def prompts(n, seed):
@@ -281,6 +284,11 @@ def main() -> None:
         help="also run each dtype with compile_decode=True (its compile is in the warm-up)",
     )
     parser.add_argument(
+        "--autotune",
+        action="store_true",
+        help="also run each dtype with compile_decode=True, compile_mode='max-autotune'",
+    )
+    parser.add_argument(
         "--transformers",
         action="store_true",
         help="also run transformers' generate, in the first dtype",
@@ -305,6 +313,8 @@ def main() -> None:
     sides = [(short.get(d, d), (ENGINE, d, "0")) for d in dtypes]
     if args.compile_decode:
         sides += [(f"{short.get(d, d)}+compile", (ENGINE, d, "1")) for d in dtypes]
+    if args.autotune:
+        sides += [(f"{short.get(d, d)}+autotune", (ENGINE, d, "autotune")) for d in dtypes]
     if args.transformers:
         sides.append((f"HF {short.get(dtypes[0], dtypes[0])}", (TRANSFORMERS, dtypes[0])))
 
@@ -314,8 +324,8 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f} at start"
     )
     print(
-        "output tokens/s of llama.cpp and of DeepInfer (by dtype, +compile: compile_decode=True)"
-        " and transformers (HF), each side's ratio to llama.cpp's, and each process's peak RSS (MB)"
+        "output tokens/s of llama.cpp and of DeepInfer (by dtype, +compile: compile_decode=True,"
+        " +autotune: also compile_mode='max-autotune') and transformers (HF), each side's ratio to llama.cpp's, and each process's peak RSS (MB)"
     )
     header = f"{'batch':>5} {'llama.cpp f16':>14}"
     for label, _ in sides:

@@ -16,6 +16,10 @@ from engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
+# torch.compile's names: "default" leaves the matmuls to oneDNN; "max-autotune" has
+# Inductor try its own C++ GEMMs for them (engine/runner/compiled_decode.py).
+COMPILE_MODES = ("default", "max-autotune")
+
 
 @dataclass
 class EngineConfig:
@@ -43,6 +47,9 @@ class EngineConfig:
     # faster steps for seconds of compiling at start-up. None: wherever the model and
     # device allow it, as `deepinfer serve` does.
     compile_decode: bool | None = False
+    # How it compiles (COMPILE_MODES): "max-autotune" also has Inductor write the
+    # step's matmuls as C++ for this CPU, from a second copy of the weights.
+    compile_mode: str = "default"
     # True: a request's logits are bitwise the same whatever else is in the batch,
     # at some cost in speed (engine/layers/batch_invariant.py).
     batch_invariant: bool = False
@@ -93,6 +100,10 @@ class EngineConfig:
         quant_format(self.kv_cache_dtype)  # ValueError unless a known format
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}"
+            )
         self.hf_config = ModelConfig.from_pretrained(path)
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.dtype is None:

@@ -15,10 +15,22 @@ Only steps in which every sequence decodes run compiled: their shapes differ
 only in the batch size, which is marked unbacked (any size, 1 included), so one
 graph serves every batch. Compiling takes seconds; Inductor caches what it
 built on disk (TORCHINDUCTOR_CACHE_DIR), so a later process compiles faster.
+
+compile_mode="max-autotune" goes further with the matmuls. A oneDNN call costs
+about 17 us however small its weight, and a decode step of a small model makes
+a few dozen. Under this mode the weights are constants of the graph (Inductor's
+freezing), and Inductor times its own C++ GEMM kernels, written for this CPU's
+vector units, against oneDNN for each matmul and keeps the faster. The price:
+the graph holds its own packed copy of the weights, beside the model's row-major
+ones that prefill steps still read (so the model's are not packed), and compiling
+takes several times longer. Those kernels pick their tiling from a size hint,
+which an unbacked size lacks, so a batch of one gets a graph of its own and every
+larger batch shares another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +45,10 @@ from engine.attention.metadata import AttentionMetadata
 from engine.layers.attention import compiled_layers
 
 logger = logging.getLogger(__name__)
+
+# Inductor's settings while a "max-autotune" step compiles: the weights as constants,
+# and Inductor's C++ GEMMs timed against oneDNN's (ATen's) for each matmul.
+AUTOTUNE = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def can_compile(model: nn.Module, device: torch.device) -> str | None:
@@ -65,9 +81,15 @@ class CompiledDecode:
 
     builds_own_metadata = False  # a DecodeFastPath (fast_path.py) that runs the backend's
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend[Any]) -> None:
+    def __init__(
+        self, model: nn.Module, backend: AttentionBackend[Any], mode: str = "default"
+    ) -> None:
         self.backend = backend
-        self.fn: Callable[..., torch.Tensor] = torch.compile(model.forward, dynamic=True)
+        self.autotune = mode == "max-autotune"
+        self.freezes_weights = self.autotune  # its graph copies them: leave the model's be
+        dynamic = None if self.autotune else True  # None: the sizes marked below
+        self.fn: Callable[..., torch.Tensor] = torch.compile(model.forward, dynamic=dynamic)
+        self.warm_batches = (2, 1) if self.autotune else (2,)  # a graph for each
         self.layers = model.attention_layers()
         for i, layer in enumerate(self.layers):  # what the graph names each layer by
             layer.index = i
@@ -92,11 +114,13 @@ class CompiledDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         graphs = _graphs_compiled()
         start = time.perf_counter()
-        # Unbacked: the batch size is "any size", so that a batch of one does not
-        # get a graph of its own (and a second compile).
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
-        with compiled_layers(self.layers):
+        if not self.autotune:  # "any size", so that a batch of one needs no graph of its own
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
+        elif input_ids.shape[0] > 1:  # any size from 2, with a hint; 1 is its own
+            torch._dynamo.mark_dynamic(input_ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        with compiled_layers(self.layers), self._settings():
             hidden = self.fn(input_ids, positions)
         self.steps += 1
         if _graphs_compiled() > graphs:  # this call traced and compiled a graph
@@ -112,6 +136,12 @@ class CompiledDecode:
                 hits,
             )
         return hidden
+
+    def _settings(self) -> contextlib.AbstractContextManager:
+        """Inductor's settings for this mode, for a call that may compile."""
+        if not self.autotune:
+            return contextlib.nullcontext()
+        return torch._inductor.config.patch(AUTOTUNE)
 
 
 def _graphs_compiled() -> int:

@@ -141,8 +141,11 @@ class ModelRunner:
         )
         self.rank_experts = RankExperts(config, rank)  # distributed/rank_experts.py
         self.model = load_model(config, self.rank_experts.local_experts())
+        self.compiled = self._compiled_decode()  # before packing: it may freeze the weights
         if config.batch_invariant:
             use_fixed_row_tiles(self.model)
+        elif self.compiled is not None and self.compiled.freezes_weights:
+            pass  # its graph packs them for its own kernels; prefill reads them as they are
         elif self.model.supports_packed_linears and can_pack(self.device, config.dtype):
             pack_linears(self.model)  # a CPU's matmuls, from weights laid out for them
         self.sampler = Sampler()
@@ -160,7 +163,6 @@ class ModelRunner:
         self.kv_cache = KVCachePool(config, layers, self.device)
         self.max_model_len = self.kv_cache.max_model_len
         self.drafter = self._mtp_drafter(mtp)
-        self.compiled = self._compiled_decode()
         if self.compiled is not None:
             self._compile_decode_now()
         self.graphs: CUDAGraphRunner | None = None
@@ -207,22 +209,24 @@ class ModelRunner:
             raise ValueError(f"compile_decode=True cannot be honoured: {why_not}")
         if want is False or why_not:  # None: wherever it can run
             return None
-        return CompiledDecode(self.model, self.backend)
+        return CompiledDecode(self.model, self.backend, self.config.compile_mode)
 
     def _compile_decode_now(self) -> None:
-        """Compile before the first request rather than in the middle of it: one
-        decode step of two dummy sequences, one token each, in block 0. What they
-        write there is zeroed again before any request gets the block."""
-        zeros = self._tensor([0, 0], torch.int64)
-        positions = zeros.clone()  # two tensors, made outside inference mode, as a step's are
-        tables, lens = self._tensor([[0], [0]], torch.int32), self._tensor([1, 1], torch.int32)
-        meta = for_decodes(zeros, tables, lens, [1, 1])
+        """Compile before the first request rather than in the middle of it: a
+        decode step of dummy sequences, one token each, in block 0, at each batch
+        size that needs a graph of its own. What they write there is zeroed again
+        before any request gets the block."""
         self.kv_cache.touch(1)
-        with (
-            torch.inference_mode(),
-            forward_context(meta, self.backend.build_metadata(meta), self.backend),
-        ):
-            self.compiled(zeros, positions)
+        for n in self.compiled.warm_batches:
+            zeros = self._tensor([0] * n, torch.int64)
+            positions = zeros.clone()  # made outside inference mode, as a step's are
+            tables, lens = self._tensor([[0]] * n, torch.int32), self._tensor([1] * n, torch.int32)
+            meta = for_decodes(zeros, tables, lens, [1] * n)
+            with (
+                torch.inference_mode(),
+                forward_context(meta, self.backend.build_metadata(meta), self.backend),
+            ):
+                self.compiled(zeros, positions)
         self.kv_cache.forget_touched()
         self.compiled.steps = 0
 

@@ -231,6 +231,7 @@ def engine_side(
     compiled = llm.llm_engine.executor.model_runner.compiled
     extra["compile_s"] = compiled.compile_seconds if compiled else None
     cfg = llm.llm_engine.config
+    extra["compile_mode"] = cfg.compile_mode
     extra["kv_lines"] = kv_cache_lines(llm, kv_baselines)
     return Side(runs, peak_rss_mb(), _name(cfg.dtype), torch.get_num_threads(), extra)
 
@@ -450,7 +451,7 @@ def run(
         )
     if e["compile_s"] is not None:
         lines.append(
-            f"decode steps ran compiled (torch.compile), compiled at start-up "
+            f"decode steps ran compiled (torch.compile, mode {e['compile_mode']}), compiled at start-up "
             f"in {e['compile_s']:.1f} s, which no figure above includes"
         )
     lines += ["", *e["kv_lines"]]

@@ -50,6 +50,7 @@ def _generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         compile_decode=args.compile_decode,
+        compile_mode=args.compile_mode,
         speculative_config=args.speculative_config,
         kv_window=args.kv_window,
         **_expert_parallel(args),
@@ -91,6 +92,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         compile_decode=compile_decode,
+        compile_mode=args.compile_mode,
         batch_invariant=args.batch_invariant,
         speculative_config=args.speculative_config,
         kv_window=args.kv_window,
@@ -245,6 +247,7 @@ def _bench(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             compile_decode=args.compile_decode,
+            compile_mode=args.compile_mode,
             max_num_seqs=max(args.num_prompts, 1),
             kv_window=args.kv_window,
             **_expert_parallel(args),
@@ -346,6 +349,14 @@ def _add_compile(parser: argparse.ArgumentParser, default: bool | None) -> None:
         default=default,
         help="run decode steps through torch.compile: faster steps on a CPU, for "
         f"seconds of compiling at start-up (default: {said})",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        choices=("default", "max-autotune"),  # engine.config's COMPILE_MODES, without torch
+        default="default",
+        help="max-autotune: the compiled step's matmuls may also be Inductor's own C++, "
+        "faster for small models, at the cost of a second copy of the weights and a "
+        "longer compile",
     )
 
 

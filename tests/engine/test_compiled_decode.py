@@ -1,6 +1,6 @@
 """The compiled decode step (engine/runner/compiled_decode.py): the same greedy tokens as
-transformers, one compile for every batch size, the cache written in place, and
-a clear refusal where it cannot run."""
+transformers, one compile for every batch size (two under max-autotune), the cache
+written in place, and a clear refusal where it cannot run."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.layers.linear import PackedLinear
 from tests.engine.conftest import hf_greedy, random_prompts
 
 MAX_TOKENS = 16
@@ -32,6 +33,25 @@ def test_compiled_decode_matches_transformers(checkpoint) -> None:
     assert compiled.compiles == 1, "a new batch size compiled again"
     assert compiled.steps >= MAX_TOKENS - 2, compiled.steps  # decodes did run compiled
     assert compiled.compile_seconds > 0  # at start-up, before the first request
+
+
+def test_max_autotune_matches_transformers(qwen3) -> None:
+    """compile_mode="max-autotune": the weights frozen into the graph for Inductor's
+    own GEMMs, the same greedy tokens, the model's own weights left unpacked for the
+    eager steps, and two graphs, both at start-up: a batch of one, and the rest."""
+    path, model = qwen3
+    llm = LLM(path, dtype="float32", compile_decode=True, compile_mode="max-autotune")
+    outputs = llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+    )
+    for i, (out, prompt) in enumerate(zip(outputs, PROMPTS)):
+        assert out.token_ids == hf_greedy(model, prompt, MAX_TOKENS), f"prompt {i}"
+    runner = llm.llm_engine.executor.model_runner
+    assert runner.compiled.compiles == 2, "batches of six down to one compiled again"
+    assert runner.compiled.steps >= MAX_TOKENS - 2, runner.compiled.steps
+    assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        LLM(path, dtype="float32", compile_mode="fastest", num_kv_blocks=4)
 
 
 def test_compiled_step_writes_the_cache_in_place(qwen3) -> None:
