@@ -6,7 +6,8 @@ tensor, then reads that copy in scaled_dot_product_attention. The operator in
 engine/csrc/paged_attention.cpp reads each block where it lies, through the
 block table. Prompt chunks still run through the torch backend's code.
 Decodes with drafts run through the operator too, a query token per row. A
-quantized cache's codes are scaled inside the operator, row by row.
+quantized cache's codes are scaled inside the operator, row by row. MLA's
+absorbed decodes run through it as well, with the latent rows as one KV head.
 """
 
 from __future__ import annotations
@@ -21,13 +22,20 @@ from engine.attention.torch_backend import TorchAttentionMetadata, TorchBackend
 from engine.kv.kv_cache import LatentKV, PagedKV
 
 SHORT_QUERY = 17  # query tokens a sequence may have for the operator: a decode and 16 drafts
+MAX_HEAD_DIM = 576  # the operator's widest head (kMaxChunks lanes of 8): DeepSeek-V3's MLA rows
+
+
+def fits_operator(q: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Can the operator attend with these queries over these cache rows?"""
+    dim = q.shape[-1]
+    return dim % 8 == 0 and dim <= MAX_HEAD_DIM and q.dtype == rows.dtype
 
 
 @dataclass
 class CpuAttentionMetadata(TorchAttentionMetadata):
     """The torch backend's prompt chunks, plus the decodes' tables for the
     operator. The torch decode groups are built only if a layer asks for them
-    (MLA's decode still attends through torch): a dense model never does."""
+    (MLA's decode over a quantized cache attends through torch): most never do."""
 
     decode_tables: torch.Tensor  # [decodes, max_blocks] int32, padded with -1
     decode_lens: torch.Tensor  # [decodes] int32: tokens each decode attends over
@@ -74,7 +82,20 @@ class CpuBackend(TorchBackend):
         )
 
     def mla_decode(self, q, cache: LatentKV, rank: int, attn_metadata: CpuAttentionMetadata, scale):
-        """MLA decodes through the torch path, whose groups the first layer builds."""
+        """Absorbed MLA decodes through the operator: the latent rows are one KV
+        head that every query head shares, keys and values at once. The operator
+        sums whole rows, so the first ``rank`` numbers of its output are the
+        latents' weighted sum, and the rest (the rotary keys') is dropped. A
+        quantized cache, whose rows are codes beside separate rotary keys, goes
+        through the torch path, whose groups the first such layer builds."""
+        rows = cache.rows
+        if cache.scales is None and fits_operator(q, rows):
+            one_head = rows[:, :, None]  # [blocks, block_size, 1, rank + rope]
+            tables, lens = attn_metadata.decode_tables, attn_metadata.decode_lens
+            out = torch.ops.deepinfer.paged_decode_attention(
+                q, one_head, one_head, tables, lens, scale
+            )
+            return out[..., :rank]
         if not attn_metadata.decode_groups and attn_metadata.meta.num_decodes:
             attn_metadata.decode_groups = self.decode_groups(attn_metadata.meta)
         return super().mla_decode(q, cache, rank, attn_metadata, scale)

@@ -38,7 +38,7 @@ using f32x8 = float __attribute__((vector_size(32)));
 using u16x8 = uint16_t __attribute__((vector_size(16)));
 using u32x8 = uint32_t __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 8;
-constexpr int64_t kMaxChunks = 32;  // head_dim at most 256
+constexpr int64_t kMaxChunks = 72;  // head_dim at most 576: MLA's latent and rope rows
 
 inline f32x8 load8(const float* p) {
   f32x8 v;
@@ -256,7 +256,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the cache disagree on head_dim");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kLanes * kMaxChunks,
-              "paged_decode_attention: head_dim must be a multiple of 8, at most 256");
+              "paged_decode_attention: head_dim must be a multiple of 8, at most 576");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache and v_cache must share a dtype");
   TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "give both scales or neither");

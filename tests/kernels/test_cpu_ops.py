@@ -22,6 +22,7 @@ from engine import csrc
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import reference
 from engine.kv.kv_cache import LatentKV, PagedKV
+from engine.kv.quant import quant_format, quantize
 from engine.tools.cpu_attention_bench import decode_only_metadata
 from engine.tools.kernel_bench import random_paged_cache, rel_err
 from tests.conftest import ROOT
@@ -115,9 +116,10 @@ def test_the_cpu_default_decodes_through_the_operator():
 
 
 def test_decode_groups_are_built_only_for_a_layer_that_reads_them():
-    """A dense model's decodes all go through the operator: the CPU backend does
-    not build the torch backend's decode groups for them. MLA's decode still
-    attends through torch, and gets them, built once per step."""
+    """A dense model's decodes all go through the operator, and so do MLA's over
+    a plain cache: the CPU backend builds the torch backend's decode groups for
+    neither. MLA's decode over a quantized cache still attends through torch,
+    and gets them, built once per step."""
     from engine.attention.cpu_backend import CpuBackend
 
     lens = [5, 40, 17]
@@ -126,10 +128,35 @@ def test_decode_groups_are_built_only_for_a_layer_that_reads_them():
     attn = backend.build_metadata(decode_only_metadata(tables, lens))
     assert attn.decode_groups == [] and attn.prefill_chunks == []
     backend.forward(q, None, None, PagedKV(k, v), attn, 64**-0.5)
-    assert attn.decode_groups == []  # the dense path never asked
-    latents = LatentKV(k.nan_to_num(0.0).flatten(2))  # [blocks, block_size, 256]: a row per slot
+    backend.mla_decode(q.flatten(1)[:, None], LatentKV(k.flatten(2)), 192, attn, 0.1)
+    assert attn.decode_groups == []  # neither path asked
+    codes, scales = quantize(k.nan_to_num(0.0).flatten(2)[..., :192], quant_format("int8"), 64)
+    latents = LatentKV(codes, scales, k.nan_to_num(0.0).flatten(2)[..., 192:].contiguous())
     out = backend.mla_decode(q.flatten(1)[:, None], latents, 192, attn, 0.1)
     groups = attn.decode_groups
     assert sum(len(g.rows) for g in groups) == len(lens) and out.shape == (3, 1, 192)
     backend.mla_decode(q.flatten(1)[:, None], latents, 192, attn, 0.1)
     assert attn.decode_groups is groups  # the next layer reuses them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# deepinfer-tiny-moe's rows, and DeepSeek-V3's (512 + 64 numbers, 128 heads on one rank).
+@pytest.mark.parametrize(("heads", "rank", "rope"), [(4, 64, 16), (16, 512, 64)])
+def test_mla_decode_through_the_operator_matches_float64(dtype, heads, rank, rope):
+    """The latent rows as the operator's one KV head, keys and values at once:
+    the first ``rank`` numbers of each head's sum are the absorbed attention's
+    output. Rows no sequence owns are NaN, as above, so a stray read fails."""
+    from engine.attention.cpu_backend import CpuBackend
+
+    gen = random.Random(SEED)
+    torch.manual_seed(SEED)
+    lens = [gen.randint(1, 200) for _ in range(gen.randint(1, 5))] + [1, 17]
+    q, rows, _, tables, ctx = poisoned_inputs(lens, heads, 1, rank + rope, 16, dtype)
+    backend = CpuBackend(16)
+    attn = backend.build_metadata(decode_only_metadata(tables, lens))
+    scale = (rank + rope) ** -0.5
+    out = backend.mla_decode(q, LatentKV(rows[:, :, 0]), rank, attn, scale)
+    ref = reference.paged_mla_decode(q, rows[:, :, 0], tables, ctx, rank, scale)
+    assert out.dtype == dtype and out.shape == (len(lens), heads, rank)
+    assert rel_err(out, ref) < TOLERANCE[dtype], f"seed {SEED}"
+    assert attn.decode_groups == []  # the torch path was never taken
