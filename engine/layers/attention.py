@@ -3,14 +3,12 @@ then attend over everything the cache holds for each sequence."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
 from engine.attention.context import get_forward_context
 from engine.kv.kv_cache import FullAttentionSpec, PagedKV
+from engine.layers import opaque
 
 
 class Attention(nn.Module):
@@ -21,7 +19,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: PagedKV | None = None  # this layer's blocks; KVCachePool binds them
-        self.index = 0  # its place among the model's attention layers (CompiledDecode)
+        self.index = 0  # its place among the model's opaque layers (layers/opaque.py)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> FullAttentionSpec:
         """What this layer caches for every token: a key and a value per KV head."""
@@ -43,29 +41,13 @@ class Attention(nn.Module):
         return ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
 
 
-_compiled: Sequence[Attention] = ()  # the layers of the compiled forward pass now running
-
-
-@contextmanager
-def compiled_layers(layers: Sequence[Attention]) -> Iterator[None]:
-    """Let the operator below find the running model's layers, by their ``index``
-    in ``layers``. An index, not the layer itself, goes into the graph: the same
-    in every process, so the compiled code cached on disk by one run serves the next."""
-    global _compiled
-    _compiled = layers
-    try:
-        yield
-    finally:
-        _compiled = ()
-
-
 @torch.library.custom_op("deepinfer::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """Attention.attend as one operator, for a compiled forward pass. It writes
     the layer's cache in place, a side effect the compiler is not told of: no
     other operator in the graph reads the cache, so no order is lost, and the
     cache, absent from the graph, can be neither copied nor functionalized."""
-    return _compiled[layer].attend(q, k, v)
+    return opaque.layer(layer).attend(q, k, v)
 
 
 @attention_op.register_fake

@@ -35,6 +35,7 @@ from engine.attention.context import get_forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.kv.kv_cache import LatentKV, MLACacheSpec
 from engine.kv.sparse_cache import IndexedLatentKV, IndexedLatentSpec
+from engine.layers import opaque
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,7 @@ class MLAAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.scale = scale
         self.kv_cache: LatentKV | None = None  # KVCachePool binds this layer's blocks
+        self.index = 0  # its place among the model's opaque layers (layers/opaque.py)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> MLACacheSpec:
         return MLACacheSpec(self.kv_lora_rank, self.rope_dim, dtype)
@@ -116,6 +118,23 @@ class MLAAttention(nn.Module):
         [tokens, rank], k_rope [tokens, rope], kv_b kv_b_proj's weight; for sparse
         attention, ``chosen`` [tokens, k]: the positions each query attends to, -1
         past the last (engine/layers/indexer.py). Returns [tokens, heads, v]."""
+        if chosen is None and torch.compiler.is_compiling():  # opaque: layers/opaque.py
+            return torch.ops.deepinfer.mla_attention(
+                q_nope, q_rope, latent, k_rope, kv_b, self.index
+            )
+        return self.attend(q_nope, q_rope, latent, k_rope, kv_b, chosen)
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_b: torch.Tensor,
+        chosen: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store this step's latents, then attend: absorbed for the decodes,
+        expanded for the prompt chunks."""
         ctx = get_forward_context()
         meta = ctx.meta
         ctx.backend.store_latent(latent, k_rope, self.kv_cache, meta.slot_mapping)
@@ -202,3 +221,25 @@ class SparseMLAAttention(MLAAttention):
 
     def kv_cache_spec(self, dtype: torch.dtype) -> IndexedLatentSpec:
         return IndexedLatentSpec(super().kv_cache_spec(dtype), self.index_head_dim)
+
+
+@torch.library.custom_op("deepinfer::mla_attention", mutates_args=())
+def mla_attention_op(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    kv_b: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
+    """MLAAttention.attend as one operator, for a compiled forward pass: it
+    writes the layer's cache in place, unseen by the compiler, as the
+    deepinfer::attention operator does (engine/layers/attention.py)."""
+    return opaque.layer(layer).attend(q_nope, q_rope, latent, k_rope, kv_b)
+
+
+@mla_attention_op.register_fake
+def _(q_nope, q_rope, latent, k_rope, kv_b, layer):
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    v_dim = kv_b.shape[0] // heads - nope  # kv_b_proj: heads * (nope + v) rows
+    return q_nope.new_empty(q_nope.shape[0], heads, v_dim)

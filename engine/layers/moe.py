@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers import opaque
 from engine.layers.activation import SiluAndMul
 from engine.layers.gate import GroupedTopKRouter
 
@@ -48,9 +49,16 @@ class Experts(nn.Module):
         # Tokens routed to each expert since the engine started; the model
         # runner binds this to a row of the engine's stats.
         self.token_counts = torch.zeros(num_experts, dtype=torch.int64)
+        self.index = 0  # its place among the model's opaque layers (layers/opaque.py)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden]; weights, ids: [tokens, top_k] from the router."""
+        if torch.compiler.is_compiling():  # opaque: its matmuls are sized on the host
+            return torch.ops.deepinfer.moe_experts(x, weights, ids, self.index)
+        return self.mix(x, weights, ids)
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token through its experts, their outputs summed with its weights."""
         self.count(ids)
         # Pair p is token p // top_k with its (p % top_k)-th expert.
         out = self.run(x.repeat_interleave(ids.shape[1], dim=0), ids.flatten())
@@ -96,6 +104,21 @@ def weighted_sum(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     pairs = out.view(len(weights), weights.shape[1], out.shape[-1])
     mixed = (pairs.to(weights.dtype) * weights[..., None]).sum(1)
     return mixed.to(out.dtype)
+
+
+@torch.library.custom_op("deepinfer::moe_experts", mutates_args=())
+def moe_experts_op(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """Experts.mix as one operator, for a compiled forward pass: each expert's
+    matmul is sized from the routing, which a graph cannot know. It adds to the
+    layer's token counts, unseen by the compiler, which nothing in the graph reads."""
+    return opaque.layer(layer).mix(x, weights, ids)
+
+
+@moe_experts_op.register_fake
+def _(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class MoE(nn.Module):

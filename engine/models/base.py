@@ -46,6 +46,11 @@ class CausalLM(nn.Module):
         """The routed experts of every MoE layer; none for a dense model."""
         return []
 
+    def opaque_layers(self) -> list[nn.Module]:
+        """What a compiled forward pass calls as opaque operators (layers/opaque.py):
+        the attention layers, then the routed experts of every MoE layer."""
+        return [*self.attention_layers(), *self.experts()]
+
     # A DeepSeek model's multi-token prediction module, as the MTP drafter uses it
     # (engine/spec_decode/mtp.py). Models without one keep these defaults.
 

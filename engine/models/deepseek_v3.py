@@ -190,8 +190,10 @@ class DeepseekV3Model(nn.Module):
 
 class DeepseekV3ForCausalLM(CausalLM):
     # The MoE layers size each expert's matmul from the routing, on the host: a
-    # decode step cannot be captured in a CUDA graph.
+    # decode step cannot be captured in a CUDA graph. torch.compile calls them as
+    # opaque operators, and MLA's attention too (runner/compiled_decode.py).
     supports_cuda_graphs = False
+    supports_compile = True
     model_class: ClassVar[type[DeepseekV3Model]] = DeepseekV3Model
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -76,6 +76,7 @@ class DeepseekV32Model(DeepseekV3Model):
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     model_class = DeepseekV32Model
+    supports_compile = False  # the indexer's chosen positions have no opaque operator yet
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], only_experts: bool = False

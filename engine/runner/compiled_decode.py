@@ -7,9 +7,12 @@ into a graph, and Inductor fuses those elementwise runs into a few loops of
 generated C++. The matmuls stay library calls, and attention stays the
 backend's: under compilation each attention layer is one opaque operator,
 ``deepinfer::attention`` (engine/layers/attention.py), which writes the new
-keys and values into the cache and attends over it. The cache never enters the
-graph, so the compiler can neither copy it nor see the per-layer views it is
-read through.
+keys and values into the cache and attends over it (MLA's is
+``deepinfer::mla_attention``). The cache never enters the graph, so the
+compiler can neither copy it nor see the per-layer views it is read through.
+A MoE layer's routed experts are one operator too, ``deepinfer::moe_experts``:
+each expert's matmul is sized from the routing, on the host; the router and
+the shared experts around it are compiled (engine/layers/opaque.py).
 
 Only steps in which every sequence decodes run compiled: their shapes differ
 only in the batch size, which is marked unbacked (any size, 1 included), so one
@@ -42,7 +45,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
-from engine.layers.attention import compiled_layers
+from engine.layers import opaque
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ def can_compile(model: nn.Module, device: torch.device) -> str | None:
     if device.type != "cpu":
         return "it is for the CPU; on CUDA the decode step replays CUDA graphs"
     if not getattr(model, "supports_compile", False):  # any nn.Module may be passed
-        return f"{type(model).__name__} does not support it (dense Llama and Qwen models do)"
+        return f"{type(model).__name__} does not support it (Llama, Qwen and DeepSeek-V3 models do)"
     if not vector_isa():
         return (
             "torch's compiler finds no C++ compiler, or no vector ISA on this CPU (or"
@@ -90,7 +93,7 @@ class CompiledDecode:
         dynamic = None if self.autotune else True  # None: the sizes marked below
         self.fn: Callable[..., torch.Tensor] = torch.compile(model.forward, dynamic=dynamic)
         self.warm_batches = (2, 1) if self.autotune else (2,)  # a graph for each
-        self.layers = model.attention_layers()
+        self.layers = model.opaque_layers()
         for i, layer in enumerate(self.layers):  # what the graph names each layer by
             layer.index = i
         self.compile_seconds = 0.0  # the calls that compiled, summed
@@ -120,7 +123,7 @@ class CompiledDecode:
         elif input_ids.shape[0] > 1:  # any size from 2, with a hint; 1 is its own
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
-        with compiled_layers(self.layers), self._settings():
+        with opaque.running(self.layers), self._settings():
             hidden = self.fn(input_ids, positions)
         self.steps += 1
         if _graphs_compiled() > graphs:  # this call traced and compiled a graph

@@ -7,6 +7,8 @@ each request; it knows nothing of the scheduler or its sequences."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -203,6 +205,8 @@ class ModelRunner:
             why_not = "enforce_eager=True asks for no compilation"
         elif want is False:  # off (the default): skip the probe, seconds of compiler runs
             return None
+        elif self.config.expert_parallel_size > 1:
+            why_not = "under expert parallelism each MoE layer exchanges tokens between ranks"
         else:
             why_not = can_compile(self.model, self.device)
         if want and why_not:
@@ -217,6 +221,12 @@ class ModelRunner:
         size that needs a graph of its own. What they write there is zeroed again
         before any request gets the block."""
         self.kv_cache.touch(1)
+        with self._uncounted():
+            self._compile_warm_steps()
+        self.kv_cache.forget_touched()
+        self.compiled.steps = 0
+
+    def _compile_warm_steps(self) -> None:
         for n in self.compiled.warm_batches:
             zeros = self._tensor([0] * n, torch.int64)
             positions = zeros.clone()  # made outside inference mode, as a step's are
@@ -227,8 +237,18 @@ class ModelRunner:
                 forward_context(meta, self.backend.build_metadata(meta), self.backend),
             ):
                 self.compiled(zeros, positions)
-        self.kv_cache.forget_touched()
-        self.compiled.steps = 0
+
+    @contextmanager
+    def _uncounted(self) -> Iterator[None]:
+        """Dummy steps (a warm-up, a timing) route no real tokens: the MoE layers'
+        counts, which EPLB and the metrics read, are put back as they were."""
+        counts = self.stats.expert_tokens
+        saved = None if counts is None else counts.clone()
+        try:
+            yield
+        finally:
+            if saved is not None:
+                counts.copy_(saved)
 
     def kv_cache_config(self) -> KVCacheConfig:
         return self.kv_cache.kv_cache_config()
@@ -249,20 +269,25 @@ class ModelRunner:
         warm-up. What they write is zeroed again before any request gets it."""
         times = []
         self.kv_cache.touch(1)
-        for n in sizes:
-            ids = self._tensor([0] * n, torch.int64)
-            positions = ids.clone()
-            tables = self._tensor([[0]] * n, torch.int32)
-            meta = for_decodes(ids.clone(), tables, self._tensor([1] * n, torch.int32), [1] * n)
-            runs = []
-            with forward_context(meta, self.backend.build_metadata(meta), self.backend):
-                for _ in range(6):
-                    start = time.perf_counter()
-                    self.model.compute_logits(self.model(ids, positions))
-                    runs.append(time.perf_counter() - start)
-            times.append(sorted(runs[1:])[2])
+        with self._uncounted():
+            for n in sizes:
+                times.append(self._step_time(n))
         self.kv_cache.forget_touched()
         return times
+
+    def _step_time(self, n: int) -> float:
+        """The median of five decode steps of n dummy one-token sequences, after one."""
+        ids = self._tensor([0] * n, torch.int64)
+        positions = ids.clone()
+        tables = self._tensor([[0]] * n, torch.int32)
+        meta = for_decodes(ids.clone(), tables, self._tensor([1] * n, torch.int32), [1] * n)
+        runs = []
+        with forward_context(meta, self.backend.build_metadata(meta), self.backend):
+            for _ in range(6):
+                start = time.perf_counter()
+                self.model.compute_logits(self.model(ids, positions))
+                runs.append(time.perf_counter() - start)
+        return sorted(runs[1:])[2]
 
     def expert_load(self) -> ExpertLoad | None:
         """What this rank's MoE layers recorded (see RankExperts.load)."""

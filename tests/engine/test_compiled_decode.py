@@ -17,10 +17,6 @@ PROMPTS = random_prompts(6, seed=21)
 
 def test_compiled_decode_matches_transformers(checkpoint) -> None:
     arch, path, model = checkpoint
-    if arch.startswith("deepseek"):  # MLA and MoE are not compiled: said, not ignored
-        with pytest.raises(ValueError, match="compile_decode=True cannot be honoured"):
-            LLM(path, dtype="float32", compile_decode=True, num_kv_blocks=16)
-        return
     # Prompts end at different times (some at EOS): the compiled step sees batches
     # of six down to one, which must all run through one graph.
     llm = LLM(path, dtype="float32", compile_decode=True)
@@ -30,9 +26,11 @@ def test_compiled_decode_matches_transformers(checkpoint) -> None:
     for i, (out, prompt) in enumerate(zip(outputs, PROMPTS)):
         assert out.token_ids == hf_greedy(model, prompt, MAX_TOKENS), f"{arch}: prompt {i}"
     compiled = llm.llm_engine.executor.model_runner.compiled
-    assert compiled.compiles == 1, "a new batch size compiled again"
+    # None when a test before this one, in this process, compiled the same graph:
+    # Dynamo's cache is the process's, and a model's weights are the graph's inputs.
+    assert compiled.compiles <= 1, "a new batch size compiled again"
     assert compiled.steps >= MAX_TOKENS - 2, compiled.steps  # decodes did run compiled
-    assert compiled.compile_seconds > 0  # at start-up, before the first request
+    assert compiled.compile_seconds > 0 or compiled.compiles == 0  # at start-up
 
 
 def test_max_autotune_matches_transformers(qwen3) -> None:
@@ -82,10 +80,24 @@ def test_compile_decode_refuses_what_it_cannot_do(qwen3) -> None:
     assert llm.llm_engine.executor.model_runner.compiled is None
 
 
-def test_compile_decode_none_skips_models_it_cannot_compile(deepseek) -> None:
+def test_deepseek_compiles_around_its_opaque_layers(deepseek) -> None:
+    """MLA's attention and the MoE layers' routed experts run as opaque operators
+    inside one graph: the same tokens as eager, the experts' token counts still
+    kept, and a model with no such operators yet (V3.2's indexer) refused clearly."""
     path, _ = deepseek
-    llm = LLM(path, dtype="float32", num_kv_blocks=8, compile_decode=None)
-    assert llm.llm_engine.executor.model_runner.compiled is None
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    eager = LLM(path, dtype="float32", num_kv_blocks=16)
+    compiled = LLM(path, dtype="float32", num_kv_blocks=16, compile_decode=True)
+    want = [o.token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    got = [o.token_ids for o in compiled.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == want
+    runner = compiled.llm_engine.executor.model_runner
+    assert runner.compiled.compiles <= 1 and runner.compiled.steps >= MAX_TOKENS - 2
+    counts = [e.token_counts.sum().item() for e in runner.model.experts()]
+    eager_counts = [
+        e.token_counts.sum().item() for e in eager.llm_engine.executor.model_runner.model.experts()
+    ]
+    assert counts == eager_counts and counts[0] > 0  # the compiled steps routed tokens too
 
 
 def test_compile_decode_needs_a_vector_isa(qwen3, monkeypatch) -> None:

@@ -425,3 +425,13 @@ def test_a_kv_window_combines_with_sparse_attention(dsa, reference) -> None:
     tokens, llm = generate(dsa[0], block_size=4, kv_window=(4, 16))
     assert llm.stats.window_freed_blocks > 0
     assert all(len(t) == MAX_TOKENS for t in tokens)
+
+
+def test_compile_decode_skips_what_it_cannot_compile(dsa) -> None:
+    """The indexer's chosen positions have no opaque operator: compile_decode=True
+    is refused with the reason, and None (what `deepinfer serve` passes) runs eager."""
+    path, _ = dsa
+    with pytest.raises(ValueError, match="DeepseekV32ForCausalLM does not support it"):
+        LLM(path, dtype="float32", num_kv_blocks=8, compile_decode=True)
+    llm = LLM(path, dtype="float32", num_kv_blocks=8, compile_decode=None)
+    assert llm.llm_engine.executor.model_runner.compiled is None
