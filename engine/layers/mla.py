@@ -239,7 +239,14 @@ def mla_attention_op(
 
 
 @mla_attention_op.register_fake
-def _(q_nope, q_rope, latent, k_rope, kv_b, layer):
+def _(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    kv_b: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
     heads, nope = q_nope.shape[1], q_nope.shape[2]
     v_dim = kv_b.shape[0] // heads - nope  # kv_b_proj: heads * (nope + v) rows
     return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
