@@ -122,19 +122,6 @@ class MLAAttention(nn.Module):
             return torch.ops.deepinfer.mla_attention(
                 q_nope, q_rope, latent, k_rope, kv_b, self.index
             )
-        return self.attend(q_nope, q_rope, latent, k_rope, kv_b, chosen)
-
-    def attend(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        kv_b: torch.Tensor,
-        chosen: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Store this step's latents, then attend: absorbed for the decodes,
-        expanded for the prompt chunks."""
         ctx = get_forward_context()
         meta = ctx.meta
         ctx.backend.store_latent(latent, k_rope, self.kv_cache, meta.slot_mapping)
@@ -232,21 +219,15 @@ def mla_attention_op(
     kv_b: torch.Tensor,
     layer: int,
 ) -> torch.Tensor:
-    """MLAAttention.attend as one operator, for a compiled forward pass: it
-    writes the layer's cache in place, unseen by the compiler, as the
-    deepinfer::attention operator does (engine/layers/attention.py)."""
-    return opaque.layer(layer).attend(q_nope, q_rope, latent, k_rope, kv_b)
+    """MLAAttention.forward as one operator, for a compiled forward pass (it runs
+    eagerly in here, where nothing is being compiled). It writes the layer's
+    cache in place, unseen by the compiler, as the deepinfer::attention operator
+    does (engine/layers/attention.py)."""
+    return opaque.layer(layer)(q_nope, q_rope, latent, k_rope, kv_b)
 
 
 @mla_attention_op.register_fake
-def _(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    latent: torch.Tensor,
-    k_rope: torch.Tensor,
-    kv_b: torch.Tensor,
-    layer: int,
-) -> torch.Tensor:
-    heads, nope = q_nope.shape[1], q_nope.shape[2]
-    v_dim = kv_b.shape[0] // heads - nope  # kv_b_proj: heads * (nope + v) rows
-    return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
+def _(q_nope: torch.Tensor, *rest: torch.Tensor | int) -> torch.Tensor:
+    """The output's shape, [tokens, heads, v]: kv_b (rest[3]) has heads * (nope + v) rows."""
+    kv_b, (tokens, heads, nope) = rest[3], q_nope.shape
+    return q_nope.new_empty(tokens, heads, kv_b.shape[0] // heads - nope)
