@@ -325,7 +325,8 @@ def main() -> None:
     )
     print(
         "output tokens/s of llama.cpp and of DeepInfer (by dtype, +compile: compile_decode=True,"
-        " +autotune: also compile_mode='max-autotune') and transformers (HF), each side's ratio to llama.cpp's, and each process's peak RSS (MB)"
+        " +autotune: also compile_mode='max-autotune') and transformers (HF), each side's ratio"
+        " to llama.cpp's, and each process's peak RSS (MB)"
     )
     header = f"{'batch':>5} {'llama.cpp f16':>14}"
     for label, _ in sides:

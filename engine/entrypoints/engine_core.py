@@ -218,9 +218,8 @@ class EngineCore:
     def stop(self) -> None:
         if self.thread is not None:
             self.stop_soon()
-            self._starts.put(
-                None
-            )  # a core never started waits for this; a running one never reads it
+            # A core never started waits for this; a running one never reads it.
+            self._starts.put(None)
             self.thread.join(timeout=30)
 
     def run(self, deliver: Callable[[CoreBatch], None]) -> None:

@@ -228,15 +228,19 @@ class ModelRunner:
 
     def _compile_warm_steps(self) -> None:
         for n in self.compiled.warm_batches:
-            zeros = self._tensor([0] * n, torch.int64)
-            positions = zeros.clone()  # made outside inference mode, as a step's are
-            tables, lens = self._tensor([[0]] * n, torch.int32), self._tensor([1] * n, torch.int32)
-            meta = for_decodes(zeros, tables, lens, [1] * n)
+            ids, positions, meta = self._dummy_decodes(n)  # made outside inference mode
             with (
                 torch.inference_mode(),
                 forward_context(meta, self.backend.build_metadata(meta), self.backend),
             ):
-                self.compiled(zeros, positions)
+                self.compiled(ids, positions)
+
+    def _dummy_decodes(self, n: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A decode step of n dummy sequences, one token each at position 0, in
+        block 0: their token ids, positions and attention metadata."""
+        ids = self._tensor([0] * n, torch.int64)
+        tables, lens = self._tensor([[0]] * n, torch.int32), self._tensor([1] * n, torch.int32)
+        return ids, ids.clone(), for_decodes(ids.clone(), tables, lens, [1] * n)
 
     @contextmanager
     def _uncounted(self) -> Iterator[None]:
@@ -277,10 +281,7 @@ class ModelRunner:
 
     def _step_time(self, n: int) -> float:
         """The median of five decode steps of n dummy one-token sequences, after one."""
-        ids = self._tensor([0] * n, torch.int64)
-        positions = ids.clone()
-        tables = self._tensor([[0]] * n, torch.int32)
-        meta = for_decodes(ids.clone(), tables, self._tensor([1] * n, torch.int32), [1] * n)
+        ids, positions, meta = self._dummy_decodes(n)
         runs = []
         with forward_context(meta, self.backend.build_metadata(meta), self.backend):
             for _ in range(6):

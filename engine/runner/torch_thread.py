@@ -5,8 +5,9 @@ Linux wheels ship) gives every thread that runs a parallel region a thread pool
 of its own, kept for as long as that thread lives. Once the pools together hold
 more threads than the machine has CPUs, libgomp's idle threads spin 100 times,
 not 300,000, before they sleep, and each parallel operator then wakes them
-through the operating system, in every pool, for as long as both pools last. A decode step of the tiny model on two cores then took twice as long or
-more, whichever thread ran it (``python -m engine.tools.overlap_bench``).
+through the operating system, in every pool, for as long as both pools last.
+A decode step of the tiny model on two cores then took twice as long or more,
+whichever thread ran it (``python -m engine.tools.overlap_bench``).
 
 So an engine that runs its forward pass on a thread other than the one that
 loaded the model must load it there too, and keep every large operator there:

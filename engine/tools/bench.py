@@ -451,8 +451,8 @@ def run(
         )
     if e["compile_s"] is not None:
         lines.append(
-            f"decode steps ran compiled (torch.compile, mode {e['compile_mode']}), compiled at start-up "
-            f"in {e['compile_s']:.1f} s, which no figure above includes"
+            f"decode steps ran compiled (torch.compile, mode {e['compile_mode']}), compiled at "
+            f"start-up in {e['compile_s']:.1f} s, which no figure above includes"
         )
     lines += ["", *e["kv_lines"]]
     return "\n".join(lines)

@@ -342,6 +342,8 @@ def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_compile(parser: argparse.ArgumentParser, default: bool | None) -> None:
+    from engine.config import COMPILE_MODES
+
     said = {None: "on where the model and device allow it", False: "off"}[default]
     parser.add_argument(
         "--compile-decode",
@@ -352,7 +354,7 @@ def _add_compile(parser: argparse.ArgumentParser, default: bool | None) -> None:
     )
     parser.add_argument(
         "--compile-mode",
-        choices=("default", "max-autotune"),  # engine.config's COMPILE_MODES, without torch
+        choices=COMPILE_MODES,
         default="default",
         help="max-autotune: the compiled step's matmuls may also be Inductor's own C++, "
         "faster for small models, at the cost of a second copy of the weights and a "

@@ -26,7 +26,7 @@ def test_compiled_decode_matches_transformers(checkpoint) -> None:
     for i, (out, prompt) in enumerate(zip(outputs, PROMPTS)):
         assert out.token_ids == hf_greedy(model, prompt, MAX_TOKENS), f"{arch}: prompt {i}"
     compiled = llm.llm_engine.executor.model_runner.compiled
-    # None when a test before this one, in this process, compiled the same graph:
+    # No compile when a test before this one, in this process, compiled the same graph:
     # Dynamo's cache is the process's, and a model's weights are the graph's inputs.
     assert compiled.compiles <= 1, "a new batch size compiled again"
     assert compiled.steps >= MAX_TOKENS - 2, compiled.steps  # decodes did run compiled
@@ -82,8 +82,8 @@ def test_compile_decode_refuses_what_it_cannot_do(qwen3) -> None:
 
 def test_deepseek_compiles_around_its_opaque_layers(deepseek) -> None:
     """MLA's attention and the MoE layers' routed experts run as opaque operators
-    inside one graph: the same tokens as eager, the experts' token counts still
-    kept, and a model with no such operators yet (V3.2's indexer) refused clearly."""
+    inside one graph: the same tokens as eager, and the experts' token counts
+    still kept. (V3.2, whose indexer has no such operator, is refused: test_dsa.py.)"""
     path, _ = deepseek
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     eager = LLM(path, dtype="float32", num_kv_blocks=16)
@@ -93,11 +93,14 @@ def test_deepseek_compiles_around_its_opaque_layers(deepseek) -> None:
     assert got == want
     runner = compiled.llm_engine.executor.model_runner
     assert runner.compiled.compiles <= 1 and runner.compiled.steps >= MAX_TOKENS - 2
-    counts = [e.token_counts.sum().item() for e in runner.model.experts()]
-    eager_counts = [
-        e.token_counts.sum().item() for e in eager.llm_engine.executor.model_runner.model.experts()
-    ]
-    assert counts == eager_counts and counts[0] > 0  # the compiled steps routed tokens too
+    counts = expert_tokens(compiled)
+    assert counts == expert_tokens(eager) and counts[0] > 0  # compiled steps routed tokens too
+
+
+def expert_tokens(llm: LLM) -> list[int]:
+    """Tokens routed in each MoE layer so far."""
+    experts = llm.llm_engine.executor.model_runner.model.experts()
+    return [e.token_counts.sum().item() for e in experts]
 
 
 def test_compile_decode_needs_a_vector_isa(qwen3, monkeypatch) -> None:
