@@ -14,9 +14,17 @@ with per-head weights w(t) = weights_proj(x_t) / sqrt(index_n_heads), and keeps
 its ``index_topk`` best positions among those it may see (s <= t). A query with
 fewer tokens than that before it keeps them all.
 
-The choice is torch.topk over the row of scores, the positions it may not see
-set to -inf, as transformers does; the chosen positions come out best first,
-padded with -1 when the context is shorter than index_topk.
+The choice depends on the request alone, never on the step it runs in. Each
+score is summed in an order fixed by its own query row (`index_scores`), so
+other sequences in the step, the number of query rows and the length of the
+context scored leave its bits alone. Exact ties are common with few indexer
+heads (a token whose every head is closed by the ReLU scores exactly 0), and
+torch.topk keeps one tied token or another depending on the row's length, so
+ties are broken by a rule instead (`best_first`): of equal scores, the lower
+position wins. transformers' torch.topk picks among ties as its row length
+falls, so where its boundary meets a tie its choice is arbitrary. The chosen
+positions come out best first, padded with -1 when the context is shorter
+than index_topk.
 """
 
 from __future__ import annotations
@@ -34,23 +42,66 @@ from engine.layers.rotary_embedding import RotaryEmbedding
 KEY_NORM_EPS = 1e-6  # k_norm's: transformers' value, not the config's
 
 
+SCORE_TILE = 1 << 22  # products (query rows x heads x keys x dims) formed at once
+
+
+def pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x summed over ``dim`` in a fixed order: the second half added elementwise to
+    the first (an odd last element carried as it is), again and again until one is
+    left. Elementwise additions only, so each result's order of terms depends on
+    the length of ``dim`` alone, not on the other dimensions or the device."""
+    x = x.movedim(dim, -1)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        summed = x[..., :half] + x[..., half : 2 * half]
+        x = torch.cat([summed, x[..., 2 * half :]], dim=-1) if x.shape[-1] % 2 else summed
+    return x[..., 0]
+
+
 def index_scores(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [n, heads, dim], weights [n, heads], keys [context, dim] -> I [n, context],
-    in float32 whatever the model's dtype (as transformers computes it)."""
-    scores = torch.relu(torch.matmul(q.float(), keys.float().T) * scale)  # [n, heads, context]
-    return torch.matmul(weights.float()[:, None, :], scores)[:, 0]
+    in float32 whatever the model's dtype (as transformers computes it).
+
+    Score (t, s) is relu(pairwise_sum_d(q[t, h, d] * k[s, d]) * scale) per head,
+    times w[t, h], pairwise-summed over heads: elementwise products and additions
+    in an order fixed by the row alone, formed SCORE_TILE products at a time. A
+    matmul would choose its order from the number of rows and keys, and a row's
+    score would then change in its last bits with the step around it."""
+    q, weights, keys = q.float(), weights.float(), keys.float()
+    n, heads, dim = q.shape
+    rows = max(1, SCORE_TILE // max(1, heads * dim * len(keys)))
+    cols = max(1, SCORE_TILE // (heads * dim * rows))
+    out = q.new_empty((n, len(keys)))
+    for i in range(0, n, rows):
+        for j in range(0, len(keys), cols):
+            dots = pairwise_sum(q[i : i + rows, :, None] * keys[None, None, j : j + cols], -1)
+            scored = weights[i : i + rows, :, None] * torch.relu(dots * scale)
+            out[i : i + rows, j : j + cols] = pairwise_sum(scored, 1)
+    return out
+
+
+def best_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` highest scores of each row and their indices [n, k], best first.
+
+    Tie rule: of exactly equal scores, the lower index (the earlier position) wins.
+    A stable sort by descending score gives it, whatever torch.topk's algorithm
+    would keep among ties (which depends on the row's length), so a query keeps
+    the same tokens however its prompt was cut into chunks."""
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], order[:, :k]
 
 
 def top_positions(scores: torch.Tensor, first: int, k: int) -> torch.Tensor:
-    """Each query's best ``k`` positions [n, k], best first. Row j is the query at
-    position first + j; positions after it are never chosen, and when fewer than k
-    are visible the rest of the row is -1."""
+    """Each query's best ``k`` positions [n, k], best first, ties to the lower
+    position (`best_first`). Row j is the query at position first + j; positions
+    after it are never chosen, and when fewer than k are visible the rest of the
+    row is -1."""
     n, context = scores.shape
     q_pos = first + torch.arange(n, device=scores.device)
     visible = torch.arange(context, device=scores.device) <= q_pos[:, None]
-    values, chosen = scores.masked_fill(~visible, float("-inf")).topk(min(k, context), dim=-1)
+    values, chosen = best_first(scores.masked_fill(~visible, float("-inf")), min(k, context))
     chosen = chosen.masked_fill(values == float("-inf"), -1)
     out = chosen.new_full((n, k), -1)
     out[:, : chosen.shape[1]] = chosen

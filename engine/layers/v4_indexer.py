@@ -10,7 +10,11 @@ index_head_dim over the same overlapping windows, cached beside the layer's rows
 with q from the query latent (wq_b), rotated at t with the compress RoPE, and
 w(t) = weights_proj(x_t) / sqrt(index_n_heads). Row s closes at token s*m + m-1,
 so query t may see rows s < (t + 1) // m; it keeps its index_topk best of those,
-as torch.topk orders them, and -1 past the ones it has.
+best first, and -1 past the ones it has. As in V3.2's indexer
+(engine/layers/indexer.py), the choice depends on the request alone: scores
+are summed in an order fixed by the query row (`index_scores`), and of exactly
+equal scores the lower row wins (`best_first`), however the prompt was chunked,
+even with a chunk boundary inside a compression window.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 from engine.attention.metadata import AttentionMetadata
 from engine.kv.compressed_cache import CompressedKV, read, row_slots
 from engine.layers.compressor import Compressor
+from engine.layers.indexer import best_first, index_scores
 from engine.layers.partial_rope import PartialRope
 from engine.layers.seq_spans import SeqSpan
 
@@ -32,12 +37,13 @@ def visible_rows(q_pos: torch.Tensor, num_rows: int, rate: int) -> torch.Tensor:
 
 
 def top_rows(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """Each query's best min(k, rows) visible rows [n, k], -1 where it has fewer."""
+    """Each query's best min(k, rows) visible rows [n, k], best first, -1 where it
+    has fewer. Tie rule (`best_first`): of exactly equal scores, the lower row wins."""
     n, num_rows = scores.shape
     out = torch.full((n, k), -1, dtype=torch.int64, device=scores.device)
     if num_rows == 0:
         return out
-    chosen = scores.masked_fill(~visible, float("-inf")).topk(min(k, num_rows), dim=-1).indices
+    _, chosen = best_first(scores.masked_fill(~visible, float("-inf")), min(k, num_rows))
     ok = visible.gather(1, chosen)
     out[:, : chosen.shape[1]] = chosen.masked_fill(~ok, -1)
     return out
@@ -86,8 +92,8 @@ class V4Indexer(nn.Module):
             rows = torch.arange(num_rows, device=x.device)
             where = row_slots(meta.row_tables[span.seq], rows, cache.index_keys)
             keys = read(cache.index_keys, where)
-            scores = torch.relu(torch.matmul(q[span.rows].float(), keys.float().T)) * self.dim**-0.5
-            scores = (scores * w[span.rows][..., None]).sum(dim=1)  # [n, rows]
+            # relu(q.k) / sqrt(dim) = relu(q.k / sqrt(dim)): the scale is positive
+            scores = index_scores(q[span.rows], w[span.rows], keys, self.dim**-0.5)
             visible = visible_rows(span.positions(x.device), num_rows, m)
             out[span.rows] = top_rows(scores, visible, self.topk)
         return out
