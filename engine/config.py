@@ -55,6 +55,11 @@ class EngineConfig:
     batch_invariant: bool = False
     # Schedule step N+1 while step N's forward pass runs (async_loop.py); vLLM's name.
     async_scheduling: bool = False
+    # JSON grammars (a json schema, json_object) compile without free whitespace
+    # outside strings, for every request, as vLLM's option of that name: a small
+    # model can otherwise fill max_tokens with newlines. False: each request's own
+    # StructuredOutputsParams.disable_any_whitespace decides.
+    disable_any_whitespace: bool = False
     # Record when each stage of each step ran (trace.py): True keeps it in memory,
     # a path also writes it there as a Chrome trace when generate returns.
     trace: bool | str = False
@@ -103,6 +108,10 @@ class EngineConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(
                 f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}"
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                f"disable_any_whitespace must be True or False, got {self.disable_any_whitespace!r}"
             )
         self.hf_config = ModelConfig.from_pretrained(path)
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")

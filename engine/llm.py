@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import replace
 from itertools import count
-from typing import Any
+from typing import Any, TypedDict
 
 from tqdm.auto import tqdm
 
@@ -18,6 +18,24 @@ from engine.distributed.balancer import RebalanceReport
 from engine.kv.handoff import Handoff
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt: ``{"prompt": "text"}``."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token prompt: ``{"prompt_token_ids": [ids]}``."""
+
+    prompt_token_ids: list[int]
+
+
+# What generate takes for one prompt: the engine's own forms (text, token ids),
+# or vLLM's dicts of them.
+PromptType = Prompt | TextPrompt | TokensPrompt
+PROMPT_FORMS = "a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': list[int]}"
 
 
 class LLM:
@@ -38,7 +56,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
+        prompts: PromptType | list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         handoffs: list[Handoff | None] | None = None,
@@ -89,14 +107,16 @@ class LLM:
 
 
 def per_prompt(
-    prompts: Prompt | list[Prompt],
+    prompts: PromptType | list[PromptType],
     sampling_params: SamplingParams | list[SamplingParams] | None,
     handoffs: list[Handoff | None] | None,
 ) -> tuple[list[Prompt], list[SamplingParams], list[Handoff | None]]:
-    """generate's arguments as one prompt, one SamplingParams and one handoff
-    (or None) per request; ValueError if the lists disagree in length."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    """generate's arguments as one prompt (text or token ids), one SamplingParams
+    and one handoff (or None) per request; ValueError if the lists disagree in
+    length, or for a prompt of no accepted form (parse_prompt)."""
+    if not isinstance(prompts, list | tuple) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
+    prompts = [parse_prompt(p) for p in prompts]
     params = sampling_params or SamplingParams()
     if not isinstance(params, list):
         params = [params] * len(prompts)
@@ -106,3 +126,22 @@ def per_prompt(
             f"{len(prompts)} prompts but {len(params)} sampling params, {len(handoffs)} handoffs"
         )
     return prompts, params, handoffs
+
+
+def parse_prompt(prompt: PromptType) -> Prompt:
+    """One prompt as the engine takes it: vLLM's ``{"prompt": text}`` and
+    ``{"prompt_token_ids": ids}`` become the text or the ids they hold. A dict of
+    any other shape is a ValueError, a value or prompt of another type a
+    TypeError, each naming the forms accepted. The ids are checked later, with
+    the engine's other checks (RequestChecker)."""
+    if isinstance(prompt, str | list | tuple):
+        return prompt
+    if not isinstance(prompt, dict):
+        raise TypeError(f"a prompt must be {PROMPT_FORMS}, got {type(prompt).__name__}")
+    if len(prompt) != 1 or next(iter(prompt)) not in ("prompt", "prompt_token_ids"):
+        raise ValueError(f"a prompt must be {PROMPT_FORMS}, got a dict with keys {list(prompt)}")
+    [(key, value)] = prompt.items()
+    wanted = str if key == "prompt" else list
+    if not isinstance(value, wanted):
+        raise TypeError(f"a prompt must be {PROMPT_FORMS}, got {key!r} as {type(value).__name__}")
+    return value

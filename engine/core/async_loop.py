@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from engine.core.executor import Executor
-from engine.core.output_processor import OutputProcessor
+from engine.core.output_processor import OutputSink
 from engine.core.stats import EngineStats
 from engine.outputs import FinishReason, RequestOutput
 from engine.runner.async_model_runner import StepFuture
@@ -49,7 +49,7 @@ class AsyncLoop:
         self,
         scheduler: AsyncScheduler,
         executor: Executor,
-        output_processor: OutputProcessor,
+        output_processor: OutputSink,
         stats: EngineStats,
         structured_output: StructuredOutputManager,
     ) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core.async_loop import AsyncLoop
 from engine.core.executor import Executor, UniProcExecutor
-from engine.core.output_processor import OutputProcessor
+from engine.core.output_processor import OutputProcessor, OutputSink
 from engine.core.request_checker import BlockChain, Prompt, RequestChecker
 from engine.core.stats import EngineStats
 from engine.core.trace import StepTrace
@@ -45,7 +45,10 @@ def make_executor(config: EngineConfig, stats: EngineStats) -> Executor:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, output_processor: OutputSink | None = None) -> None:
+        """``output_processor``: where every step's outputs go (OutputSink); None
+        makes an OutputProcessor here. The engine, its async loop and its trace
+        all use this one, so a request's outputs reach the processor that saw it."""
         self.config = config
         self.tokenizer = load_tokenizer(Path(config.model))
         self.stats = EngineStats()
@@ -79,9 +82,14 @@ class LLMEngine:
             kv_window=config.kv_window,
             connector=self._connector(config, cache.block_size, root),
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor: OutputSink = (
+            OutputProcessor(self.tokenizer) if output_processor is None else output_processor
+        )
         self.structured_output = StructuredOutputManager(
-            self.tokenizer, config.hf_config.vocab_size, config.hf_config.eos_token_ids
+            self.tokenizer,
+            config.hf_config.vocab_size,
+            config.hf_config.eos_token_ids,
+            config.disable_any_whitespace,
         )
         self.checker = RequestChecker(
             self.tokenizer,

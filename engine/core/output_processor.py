@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from tokenizers import Tokenizer
 
@@ -55,6 +56,26 @@ class RequestState:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]  # ended here by a stop string: the core must stop them too
+
+
+class OutputSink(Protocol):
+    """Where LLMEngine sends its requests' text side and each step's outputs: an
+    OutputProcessor, or a server core's Outbox (entrypoints/engine_core.py), which
+    keeps them for a front end that runs the OutputProcessor itself. The engine
+    takes one when it is built and hands that one to every part that uses it."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        handoff: Handoff | None = None,
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs: ...
 
 
 class OutputProcessor:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.core.output_processor import OutputProcessor
+    from engine.core.output_processor import OutputSink
     from engine.core.stats import EngineStats
     from engine.runner.model_runner import ModelRunner
     from engine.sched.scheduler import Scheduler
@@ -61,7 +61,7 @@ class StepTrace:
         self,
         scheduler: Scheduler,
         runner: ModelRunner,
-        processor: OutputProcessor,
+        processor: OutputSink,
         stats: EngineStats,
         path: str | None = None,
     ) -> None:
@@ -85,7 +85,7 @@ class StepTrace:
         self,
         scheduler: Scheduler,
         runner: ModelRunner,
-        processor: OutputProcessor,
+        processor: OutputSink,
         stats: EngineStats,
     ) -> None:
         self._wrap(

@@ -82,11 +82,14 @@ class CoreProcess:
         self.facts: CoreFacts = facts
         self.tokenizer = load_tokenizer(Path(config.model))
         hf = config.hf_config
+        grammars = StructuredOutputManager(
+            self.tokenizer, hf.vocab_size, hf.eos_token_ids, config.disable_any_whitespace
+        )
         self.checker = RequestChecker(
             self.tokenizer,
             hf.vocab_size,
             facts.max_model_len,
-            StructuredOutputManager(self.tokenizer, hf.vocab_size, hf.eos_token_ids),
+            grammars,
             config.seed,
             BlockChain(facts.kv_root, facts.block_size) if facts.kv_root is not None else None,
         )

@@ -5,9 +5,9 @@ front end (EngineCore.in_thread), or in a process of its own (core_process.py), 
 the front end sees either through the same small interface (CoreClient).
 
 LLMEngine.step ends by handing the step's outputs to its output processor. Here
-that processor is an outbox: the outputs cross to the front end's thread as
-the plain data they are, and the front end runs the real OutputProcessor. The
-step itself is the engine's own, unchanged.
+the engine is built with an outbox as that processor: the outputs cross to the
+front end's thread as the plain data they are, and the front end runs the real
+OutputProcessor. The step itself is the engine's own, unchanged.
 """
 
 from __future__ import annotations
@@ -37,13 +37,21 @@ logger = logging.getLogger("deepinfer.server")
 
 
 class Outbox:
-    """Stands where LLMEngine's output processor stands: keeps the step's core
-    outputs for the front end instead of turning them into text here."""
+    """The engine's output processor in the core (an OutputSink, given to
+    LLMEngine when it is built): keeps the step's core outputs for the front end
+    instead of turning them into text here."""
 
     def __init__(self) -> None:
         self.outputs: list[EngineCoreOutput] = []
 
-    def add_request(self, *args: object) -> None:  # the front end follows the request
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        handoff: Handoff | None = None,
+    ) -> None:  # the front end follows the request
         pass
 
     def abort_request(self, request_id: str) -> None:
@@ -135,10 +143,10 @@ SAVE_POLL_S = 0.05
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         bound_onednn_caches()  # before the model loads (host_memory.py)
-        self.engine = LLMEngine(config)  # loads the model: in the caller's thread
-        self.trimmer = HeapTrimmer()
         self.outbox = Outbox()
-        self.engine.output_processor = self.outbox
+        # Loads the model, in the caller's thread; every step's outputs go to the outbox.
+        self.engine = LLMEngine(config, output_processor=self.outbox)
+        self.trimmer = HeapTrimmer()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None  # in_thread's; None: run() in the caller's
         self._starts: queue.SimpleQueue = queue.SimpleQueue()  # start()'s deliver, for that thread

@@ -26,6 +26,7 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 # distinct schema a client sends is a new one, so an unbounded cache would grow
 # with the server's traffic. A request holds its own grammar while it runs.
 MAX_CACHED_GRAMMARS = 128
+JSON_OBJECT = '{"type": "object"}'  # json_object's schema, where whitespace is not free
 
 
 class GrammarHolder(Protocol):
@@ -40,11 +41,18 @@ class GrammarHolder(Protocol):
 
 class StructuredOutputManager:
     def __init__(
-        self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Collection[int]
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        disable_any_whitespace: bool = False,
     ) -> None:
+        """``disable_any_whitespace``: EngineConfig's, for every request's JSON
+        grammar; False leaves it to each request's own field."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's: its embedding rows, which the mask covers
         self.eos_token_ids = list(eos_token_ids)
+        self.disable_any_whitespace = disable_any_whitespace
         self.grammars: OrderedDict[tuple, Any] = OrderedDict()  # spec -> compiled grammar
         self._compiler: Any = None
 
@@ -77,9 +85,15 @@ class StructuredOutputManager:
         return grammar
 
     def _compile(self, kind: str, spec: str, no_whitespace: bool) -> Any:
+        """Without whitespace (the request's or the engine's choice), JSON allows
+        only the separators ", " and ": " between tokens, as vLLM compiles it; a
+        JSON object is then the schema {"type": "object"}, as in vLLM."""
         compiler = self.compiler()
+        any_whitespace = not (no_whitespace or self.disable_any_whitespace)
         if kind == "JSON schema":
-            return compiler.compile_json_schema(spec, any_whitespace=not no_whitespace)
+            return compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
+        if kind == "JSON object" and not any_whitespace:
+            return compiler.compile_json_schema(JSON_OBJECT, any_whitespace=False)
         if kind == "JSON object":
             return compiler.compile_builtin_json_grammar()
         if kind == "regex":

@@ -94,6 +94,8 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         compile_decode=compile_decode,
         compile_mode=args.compile_mode,
         batch_invariant=args.batch_invariant,
+        async_scheduling=args.async_scheduling,
+        disable_any_whitespace=args.disable_any_whitespace,
         speculative_config=args.speculative_config,
         kv_window=args.kv_window,
         kv_store=args.kv_store,
@@ -449,6 +451,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-invariant",
         action="store_true",
         help="a request's greedy tokens do not depend on the rest of the batch (slower)",
+    )
+    serve.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule each step while the one before it runs (not with "
+        "--speculative-config or --kv-store)",
+    )
+    serve.add_argument(
+        "--disable-any-whitespace",
+        action="store_true",
+        help="JSON outputs (response_format, json schemas) get no whitespace outside strings",
     )
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument(

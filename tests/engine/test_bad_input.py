@@ -4,6 +4,7 @@ serving every other request."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -94,3 +95,43 @@ def test_batch_invariance_with_mla_on_the_cpu_is_refused_up_front(deepseek) -> N
     has no absorbed MLA decode."""
     with pytest.raises(ValueError, match="MLA"):
         LLM(str(deepseek[0]), device="cpu", batch_invariant=True, num_kv_blocks=8)
+
+
+def test_vllm_prompt_dicts_run_as_the_text_and_token_ids_they_hold(qwen3) -> None:
+    """vLLM's TextPrompt and TokensPrompt, alone or in a list mixed with plain
+    strings and token lists, give what their text and ids give."""
+    llm = LLM(qwen3[0], dtype="float32", max_model_len=128)
+    text, ids = "hello world", random_prompts(1, seed=33)[0]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    plain = [o.token_ids for o in llm.generate([text, ids], params, use_tqdm=False)]
+    mixed = llm.generate(
+        [{"prompt": text}, {"prompt_token_ids": ids}, ids, text], params, use_tqdm=False
+    )
+    assert [o.token_ids for o in mixed] == plain + plain[::-1]
+    assert mixed[0].prompt == text and mixed[1].prompt_token_ids == ids
+    [alone_text] = llm.generate({"prompt": text}, params, use_tqdm=False)
+    [alone_ids] = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert [alone_text.token_ids, alone_ids.token_ids] == plain
+
+
+@pytest.mark.parametrize(
+    "prompt, error, detail",
+    [
+        ({"prompt": "a", "prompt_token_ids": [5]}, ValueError, "keys"),
+        ({"text": "a"}, ValueError, "keys"),
+        ({}, ValueError, "keys"),
+        ({"prompt": [5, 6]}, TypeError, "'prompt' as list"),
+        ({"prompt_token_ids": "5 6"}, TypeError, "'prompt_token_ids' as str"),
+        (5, TypeError, "got int"),
+    ],
+)
+def test_a_prompt_of_no_accepted_form_names_the_forms_and_queues_nothing(
+    qwen3, prompt, error, detail
+) -> None:
+    llm = LLM(qwen3[0], dtype="float32", max_model_len=128)
+    forms = (
+        r"a string, a list of token ids, \{'prompt': str\} or \{'prompt_token_ids': list\[int\]\}"
+    )
+    with pytest.raises(error, match=f"{forms}, .*{re.escape(detail)}"):
+        llm.generate(["fine", prompt], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -190,3 +190,77 @@ def test_a_constraint_that_allows_no_first_token_is_refused() -> None:
     with pytest.raises(ValueError, match="allows no token"):
         StructuredOutputManager(tok, 4096, eos_token_ids=[]).request_for(empty)
     StructuredOutputManager(tok, 4096, eos_token_ids=[0]).request_for(empty)  # may stop at once
+
+
+def free_whitespace(text: str) -> list[int]:
+    """Where ``text`` (JSON, maybe cut short) has whitespace outside its strings
+    other than the one space a separator ", " or ": " ends with."""
+    found, in_string, escaped = [], False, False
+    for i, c in enumerate(text):
+        if in_string:
+            in_string, escaped = (escaped or c != '"'), (not escaped and c == "\\")
+        elif c == '"':
+            in_string = True
+        elif c.isspace() and not (c == " " and i and text[i - 1] in ",:"):
+            found.append(i)
+    return found
+
+
+def allowed_whitespace(manager: StructuredOutputManager, spec, prefix: str) -> list[str]:
+    """The whitespace-only tokens ``spec``'s grammar allows after ``prefix``."""
+    tokenizer = manager.tokenizer
+    request = manager.request_for(spec)
+    for token in tokenizer.encode(prefix).ids:
+        request.accept(token)
+    mask = manager.empty_bitmask(1)
+    request.fill_bitmask(mask, 0)
+    vocab = tokenizer.get_vocab_size()
+    bits = (mask[0].unsqueeze(1) >> torch.arange(32)) & 1
+    ids = bits.flatten()[:vocab].nonzero().flatten().tolist()
+    texts = [tokenizer.decode([i]) for i in ids]
+    return [t for t in texts if t and t.isspace()]
+
+
+@pytest.mark.parametrize(
+    "spec, outside, inside",
+    [
+        (StructuredOutputsParams(json_object=True), ["{", '{"a": 1', '{"a": [2'], '{"a": "b'),
+        (
+            StructuredOutputsParams(json=SCHEMA),
+            ["{", '{"blocks": 12'],
+            '{"blocks": 1, "cached": true, "name": "a',
+        ),
+    ],
+    ids=["json_object", "json_schema"],
+)
+def test_engine_wide_disable_any_whitespace_allows_no_whitespace_token_outside_strings(
+    spec, outside, inside
+) -> None:
+    """EngineConfig.disable_any_whitespace: a request that did not ask for it
+    (what response_format sends) still gets no whitespace token between JSON
+    tokens, where the engine without it allows many; strings keep theirs."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    free = StructuredOutputManager(tok, tok.get_vocab_size(), [0])
+    tight = StructuredOutputManager(tok, tok.get_vocab_size(), [0], disable_any_whitespace=True)
+    for prefix in outside:
+        assert allowed_whitespace(free, spec, prefix), prefix
+        assert allowed_whitespace(tight, spec, prefix) == [], prefix
+    assert allowed_whitespace(tight, spec, inside)  # a string may hold spaces
+
+
+def test_llm_disable_any_whitespace_gives_json_without_free_whitespace(tight) -> None:
+    """LLM(..., disable_any_whitespace=True): seeded json_object replies have no
+    whitespace outside strings but the separators' spaces; the same seeds
+    without the option spend tokens on it."""
+    spec = StructuredOutputsParams(json_object=True)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs=spec)
+        for s in range(8)
+    ]
+    llm = LLM(TINY, dtype="float32", num_kv_blocks=64, disable_any_whitespace=True)
+    compact = llm.generate(["The KV cache"] * 8, params, use_tqdm=False)
+    assert not [o.text for o in compact if free_whitespace(o.text)]
+    loose = tight.generate(["The KV cache"] * 8, params, use_tqdm=False)
+    assert sum(len(free_whitespace(o.text)) for o in loose) > 0
