@@ -76,11 +76,14 @@ class SharedWeightLinear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """Can oneDNN pack this layer's weights here? bfloat16 needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, as oneDNN itself reports (DNNL_MAX_CPU_ISA lowers it):
+    on an AVX2-only CPU packing would raise, so bf16 weights stay row-major."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -140,11 +140,34 @@ class CompiledDecode:
             )
         return hidden
 
-    def _settings(self) -> contextlib.AbstractContextManager:
-        """Inductor's settings for this mode, for a call that may compile."""
-        if not self.autotune:
-            return contextlib.nullcontext()
-        return torch._inductor.config.patch(AUTOTUNE)
+    def _settings(self) -> contextlib.ExitStack:
+        """The compiler's settings for a call that may compile: the cache key names
+        the vector ISA (isa_cache_tag), and max-autotune's Inductor settings."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.compiler.config.patch(cache_key_tag=isa_cache_tag()))
+        if self.autotune:
+            stack.enter_context(torch._inductor.config.patch(AUTOTUNE))
+        return stack
+
+
+def isa_cache_tag() -> str:
+    """The compile caches' key tag, with the vector ISA Inductor writes code for.
+
+    Inductor's on-disk caches key a compiled graph by the graph, torch's version,
+    its settings and the thread count, but not by the vector ISA it chose
+    (AVX-512, AVX2, ... : ATEN_CPU_CAPABILITY caps it). The graph it caches holds
+    its C++ kernels' source, written for that ISA's vector width, and a process
+    that finds it builds that source for its own ISA. Loops written to step 8
+    floats then store 16 on AVX-512, past the end of each buffer (glibc aborts:
+    "corrupted size vs. prev_size"), and loops written to step 16 store 8 on
+    AVX2, leaving half of each output unwritten (wrong tokens). A process capped
+    at AVX2 and one at AVX-512 sharing one cache met exactly that. So the tag,
+    which every cache key includes, carries the ISA too."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = str(pick_vec_isa()).replace(" ", "+") or "scalar"
+    user = torch.compiler.config.cache_key_tag
+    return f"{user}|cpu-vec-isa={isa}" if user else f"cpu-vec-isa={isa}"
 
 
 def _graphs_compiled() -> int:
