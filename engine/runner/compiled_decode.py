@@ -91,6 +91,7 @@ class CompiledDecode:
         self.autotune = mode == "max-autotune"
         self.freezes_weights = self.autotune  # its graph copies them: leave the model's be
         dynamic = None if self.autotune else True  # None: the sizes marked below
+        tag_caches_with_isa()  # before anything compiles: see isa_cache_tag
         self.fn: Callable[..., torch.Tensor] = torch.compile(model.forward, dynamic=dynamic)
         self.warm_batches = (2, 1) if self.autotune else (2,)  # a graph for each
         self.layers = model.opaque_layers()
@@ -140,14 +141,19 @@ class CompiledDecode:
             )
         return hidden
 
-    def _settings(self) -> contextlib.ExitStack:
-        """The compiler's settings for a call that may compile: the cache key names
-        the vector ISA (isa_cache_tag), and max-autotune's Inductor settings."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.compiler.config.patch(cache_key_tag=isa_cache_tag()))
-        if self.autotune:
-            stack.enter_context(torch._inductor.config.patch(AUTOTUNE))
-        return stack
+    def _settings(self) -> contextlib.AbstractContextManager:
+        """Inductor's settings for this mode, for a call that may compile."""
+        if not self.autotune:
+            return contextlib.nullcontext()
+        return torch._inductor.config.patch(AUTOTUNE)
+
+
+def tag_caches_with_isa() -> None:
+    """Name the vector ISA in every compile cache key of this process (once; the ISA
+    cannot change within a process, and a key that says more misleads no one)."""
+    tag = torch.compiler.config.cache_key_tag
+    if "cpu-vec-isa=" not in tag:
+        torch.compiler.config.cache_key_tag = isa_cache_tag()
 
 
 def isa_cache_tag() -> str:

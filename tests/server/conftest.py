@@ -5,6 +5,7 @@ stopped when its test (or session) ends, whether it passed or not."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -145,6 +146,30 @@ def server() -> Iterator[Running]:
 
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def completion_choices(
+    url: str, body: dict, stream: bool = False, headers: dict | None = None
+) -> list[tuple[int, str, str]]:
+    """(index, text, finish reason) of each choice of a /v1/completions request,
+    streamed (the deltas joined) or not, sorted by index."""
+    body = {"model": "deepinfer-tiny", **body, "stream": stream}
+    if not stream:
+        reply = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return sorted((c["index"], c["text"], c["finish_reason"]) for c in reply.json()["choices"])
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body, headers=headers, timeout=120
+    ) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line.removeprefix("data: "))["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                    reasons[c["index"]] = c.get("finish_reason") or reasons.get(c["index"])
+    return sorted((i, texts[i], reasons[i]) for i in texts)
 
 
 def metric(url: str, name: str, headers: dict | None = None) -> float:

@@ -6,18 +6,23 @@ its trace included."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.entrypoints.engine_core import EngineCore
-from tests.server.conftest import API_KEY, SERVE_ARGS, TINY, Running, auth, running
+from tests.server.conftest import (
+    API_KEY,
+    SERVE_ARGS,
+    TINY,
+    Running,
+    auth,
+    completion_choices,
+    running,
+)
 
-MODEL = "deepinfer-tiny"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 BODIES = [
     {"prompt": "def free(self", "max_tokens": 24, "temperature": 0},
@@ -33,25 +38,9 @@ BODIES = [
 ]
 
 
-def completion(url: str, body: dict, stream: bool) -> list[tuple[int, str, str]]:
+def completion(url: str, body: dict, stream: bool = False) -> list[tuple[int, str, str]]:
     """(index, text, finish reason) of each choice, streamed or not."""
-    body = {"model": MODEL, **body, "stream": stream}
-    if not stream:
-        reply = httpx.post(url + "/v1/completions", json=body, headers=auth(), timeout=120)
-        assert reply.status_code == 200, reply.text
-        return sorted((c["index"], c["text"], c["finish_reason"]) for c in reply.json()["choices"])
-    texts: dict[int, str] = {}
-    reasons: dict[int, str] = {}
-    with httpx.stream(
-        "POST", url + "/v1/completions", json=body, headers=auth(), timeout=120
-    ) as reply:
-        assert reply.status_code == 200
-        for line in reply.iter_lines():
-            if line.startswith("data: {"):
-                for c in json.loads(line.removeprefix("data: "))["choices"]:
-                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
-                    reasons[c["index"]] = c.get("finish_reason") or reasons.get(c["index"])
-    return sorted((i, texts[i], reasons[i]) for i in texts)
+    return completion_choices(url, body, stream, auth())
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ in float32, so that the two cores can be compared request by request."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -28,7 +27,7 @@ from engine.entrypoints.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.tools.launch import descendants
 from tests.conftest import wait_gone
-from tests.server.conftest import SERVE_ARGS, TINY, in_thread, running
+from tests.server.conftest import SERVE_ARGS, TINY, completion_choices, in_thread, running
 
 MODEL = "deepinfer-tiny"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -62,22 +61,7 @@ def both() -> Iterator[tuple[str, str, CoreProcess]]:
 
 def completion(url: str, body: dict, stream: bool = False) -> list[tuple[int, str, str]]:
     """(index, text, finish reason) of each choice, streamed or not."""
-    body = {"model": MODEL, **body, "stream": stream}
-    if not stream:
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert reply.status_code == 200, reply.text
-        choices = reply.json()["choices"]
-        return sorted((c["index"], c["text"], c["finish_reason"]) for c in choices)
-    texts: dict[int, str] = {}
-    reasons: dict[int, str] = {}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
-        assert reply.status_code == 200
-        for line in reply.iter_lines():
-            if line.startswith("data: {"):
-                for c in json.loads(line.removeprefix("data: "))["choices"]:
-                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
-                    reasons[c["index"]] = c.get("finish_reason") or reasons.get(c["index"])
-    return sorted((i, texts[i], reasons[i]) for i in texts)
+    return completion_choices(url, body, stream, None)
 
 
 @pytest.mark.parametrize("stream", [False, True])
