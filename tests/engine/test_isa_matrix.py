@@ -111,6 +111,7 @@ CELLS: dict[str, Cell] = {
     "tiny/async-compiled-fp32": Cell("tiny", {**FP32, **COMPILED, "async_scheduling": True}),
     "moe/eager-fp32": Cell("moe", {**FP32, **EAGER}),
     "moe/compiled-fp32": Cell("moe", {**FP32, **COMPILED}),
+    "moe/eager-bf16": Cell("moe", {**BF16, **EAGER}),
     "moe/async-fp32": Cell("moe", {**FP32, **EAGER, "async_scheduling": True}),
     "v32/eager-fp32": Cell("v32", {**FP32, **EAGER}),
     "v32/eager-bf16": Cell("v32", {**BF16, **EAGER}),
@@ -221,7 +222,7 @@ def test_a_graph_compiled_for_one_isa_is_not_served_to_another(models, tmp_path)
         assert run_cell(models("tiny"), cell.options, cap, cache=tmp_path) == want, cap
 
 
-SERVE_MATRIX = [("float32", "native"), ("bfloat16", "native"), ("float32", "avx2")]
+SERVE_MATRIX = [(d, c) for d in ("float32", "bfloat16") for c in ("native", "avx2")]
 
 
 @pytest.mark.parametrize(("dtype", "cap"), SERVE_MATRIX, ids=[f"{d}-{c}" for d, c in SERVE_MATRIX])
