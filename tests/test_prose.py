@@ -402,24 +402,3 @@ def test_the_name_check_catches_a_rename() -> None:
         n for _, n in mermaid_names("```mermaid\nA[LLM.generate] --> B[add_sequence()]\n```\n")
     ]
     assert names == ["LLM.generate", "add_sequence()"]
-
-
-# ------------------------------------------------------------------ chapter status
-
-STATUS = re.compile(
-    r"^- \[(?P<title>[^\]]+)\]\((?P<page>[\w-]+\.md)\): (?P<status>written|not written yet)\s*$"
-)
-NOT_WRITTEN = re.compile(r'^!!! \w+ "[^"]*not written yet', re.M)
-
-
-def test_the_preface_says_which_chapters_are_written() -> None:
-    preface = (ROOT / "docs" / "index.md").read_text()
-    listed = {m["page"]: m["status"] for m in map(STATUS.match, preface.splitlines()) if m}
-    chapters = sorted(p.name for p in (ROOT / "docs").glob("ch*.md"))
-    assert sorted(listed) == chapters, "the Preface's status list must name every chapter once"
-    wrong = [
-        f"{page}: the Preface says {status!r}"
-        for page, status in listed.items()
-        if (status == "written") == bool(NOT_WRITTEN.search((ROOT / "docs" / page).read_text()))
-    ]
-    assert not wrong, "\n".join(wrong)
