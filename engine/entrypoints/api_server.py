@@ -29,7 +29,7 @@ from engine.entrypoints.async_llm import AsyncLLM, CoreMode
 from engine.entrypoints.chat_template import load_chat_template
 from engine.entrypoints.errors import OpenAIError
 from engine.entrypoints.metrics import ServerMetrics
-from engine.entrypoints.middleware import ApiKey, BodyLimit, CountResponses, RequestId
+from engine.entrypoints.middleware import ApiKey, BodyLimit, CountResponses, HeadAsGet, RequestId
 from engine.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -82,6 +82,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyTimeout, timeout=config.body_timeout)
     app.add_middleware(ApiKey, api_key=config.api_key)
     app.add_middleware(CountResponses, count=metrics.answered)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(RequestId)  # added last: runs first
 
     @app.post("/v1/completions", response_model=CompletionResponse)

@@ -1,6 +1,6 @@
 """Checks every request meets before a handler sees it: a request id, the API
-key, and the body's size. Plain ASGI, so that streaming responses and
-disconnects pass through untouched."""
+key, and the body's size; and HEAD, answered as GET without the body. Plain
+ASGI, so that streaming responses and disconnects pass through untouched."""
 
 from __future__ import annotations
 
@@ -31,6 +31,29 @@ class RequestId:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class HeadAsGet:
+    """HEAD on a GET route: the GET's status and headers, without its body, as HTTP
+    defines HEAD. FastAPI's routes answer only the methods they declare, so a
+    client's HEAD /health (a load balancer's probe) met 405. On a route without
+    GET, HEAD still gets the route's 405."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def without_body(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return  # the body's last message ends it, empty
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, without_body)
 
 
 class ApiKey:

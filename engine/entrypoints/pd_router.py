@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.entrypoints import logs
 from engine.entrypoints.errors import OpenAIError
+from engine.entrypoints.middleware import HeadAsGet
 from engine.entrypoints.relay import EVENT_END, WorkerFailed, chunks
 from engine.entrypoints.router import Tokens
 from engine.entrypoints.routing import PrefixAffinity, RoundRobin, Worker, prefix_key
@@ -310,6 +311,7 @@ def build_pd_router(config: PDRouterConfig) -> FastAPI:
 
     app = FastAPI(title="DeepInfer PD router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(HeadAsGet)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, err: OpenAIError) -> Response:

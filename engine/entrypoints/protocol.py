@@ -16,7 +16,6 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 MAX_N = 16  # choices per request: each is one engine request
-MAX_STOP = 4  # stop strings, as OpenAI allows
 
 
 class StreamOptions(BaseModel):
@@ -70,7 +69,7 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
+    stop: str | list[str] | None = None  # no cap, as vLLM: --max-body-bytes bounds it
     seed: int | None = None
     presence_penalty: float = Field(0, ge=-2, le=2)
     frequency_penalty: float = Field(0, ge=-2, le=2)

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.entrypoints import logs, relay
 from engine.entrypoints.chat_template import ChatTemplate, load_chat_template
 from engine.entrypoints.errors import OpenAIError
-from engine.entrypoints.middleware import BodyLimit
+from engine.entrypoints.middleware import BodyLimit, HeadAsGet
 from engine.entrypoints.prompt_tokens import bytes_per_token
 from engine.entrypoints.read_timeouts import BodyTimeout, with_head_timeout
 from engine.entrypoints.relay import WorkerFailed
@@ -280,6 +280,7 @@ def build_router(config: RouterConfig) -> FastAPI:
     app.state.router = router
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(BodyTimeout, timeout=config.body_timeout)
+    app.add_middleware(HeadAsGet)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, err: OpenAIError) -> Response:
