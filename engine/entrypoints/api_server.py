@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (stream: true for server-sent events)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
+    POST /tokenize, /detokenize; GET /tokenizer_info   (vLLM's, tokenize_api.py)
 
 Every error is OpenAI's error object: a bad request is a 400 that says what is
 wrong, an engine failure a 500 with the request's id, and the server goes on.
@@ -41,6 +42,7 @@ from engine.entrypoints.protocol import (
 )
 from engine.entrypoints.read_timeouts import BodyTimeout, with_head_timeout
 from engine.entrypoints.serving import OpenAIServing
+from engine.entrypoints.tokenize_api import tokenize_routes
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -84,6 +86,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(CountResponses, count=metrics.answered)
     app.add_middleware(HeadAsGet)
     app.add_middleware(RequestId)  # added last: runs first
+    app.include_router(tokenize_routes(serving, Path(config.engine.model)))  # vLLM's, at the root
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request):
