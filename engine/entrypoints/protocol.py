@@ -107,23 +107,17 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt alone")
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = Field(
-        False, description="the prompt's text before each choice's (not with logprobs)"
+        False,
+        description="the prompt's text before each choice's; with logprobs, the prompt "
+        "tokens' logprobs before the generated ones' (the first token's null)",
     )
     suffix: None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=1, description="not supported beyond 1")
     # vLLM's extension: each prompt token's logprob and the top n, in each choice.
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo with logprobs is not supported; prompt_logprobs gives the prompt's"
-            )
-        return self
 
 
 class TextPart(BaseModel):

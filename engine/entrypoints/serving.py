@@ -8,7 +8,7 @@ import json
 import logging
 import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jinja2 import TemplateError
 from pydantic import BaseModel
@@ -41,7 +41,7 @@ from engine.entrypoints.protocol import (
     Usage,
 )
 from engine.entrypoints.token_text import TokenText
-from engine.outputs import RequestOutput
+from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -67,12 +67,15 @@ class Job:
     choices: dict[str, Choice] = field(default_factory=dict)
     echo: list[str] | None = None  # completions' echo: each prompt's text, before its choices'
     transfer: KVTransferParams | None = None  # prefill/decode disaggregation (kv_transfer.py)
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt alone (prompt_alone)
+
+    def echoes(self, choice: Choice) -> bool:
+        """Does the choice's next chunk start with its prompt? With echo, its first does."""
+        return self.echo is not None and not choice.text_sent and not choice.tokens_sent
 
     def echoed(self, choice: Choice) -> str:
         """The prompt text a choice starts with: with echo, once, in its first chunk."""
-        if self.echo is None or choice.text_sent or choice.tokens_sent:
-            return ""
-        return self.echo[choice.prompt_index]
+        return self.echo[choice.prompt_index] if self.echoes(choice) else ""
 
     def usage(self) -> Usage:
         first = {c.prompt_index: c.last for c in reversed(self.choices.values())}
@@ -89,6 +92,38 @@ class Job:
 
 _random = random.SystemRandom()
 logger = logging.getLogger("deepinfer.server")
+
+
+def prompt_alone(out: RequestOutput) -> RequestOutput:
+    """A max_tokens 0 request's output: its prompt alone. The engine cannot run a
+    request that samples nothing (SamplingParams needs max_tokens >= 1; the prompt
+    logprobs come with the first sampled token), so it runs with max_tokens 1 and
+    its one token is dropped here, from the text, the logprobs and the usage."""
+    return replace(
+        out,
+        token_ids=[],
+        text="",
+        logprobs=[] if out.logprobs is not None else None,
+        finish_reason=FinishReason.LENGTH if out.finished else None,
+    )
+
+
+def engine_prompt_logprobs(req: SamplingFields) -> int | None:
+    """How many top logprobs the engine computes per prompt token: vLLM's
+    prompt_logprobs, or with echo the completion's logprobs, whichever is more."""
+    if not isinstance(req, CompletionRequest):
+        return None
+    wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
+    return max((k for k in wanted if k is not None), default=None)
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -164,7 +199,7 @@ def sampling_params(
             min_tokens=req.min_tokens,
             logit_bias=logit_bias(req),
             include_stop_str_in_output=req.include_stop_str_in_output,
-            prompt_logprobs=req.prompt_logprobs if isinstance(req, CompletionRequest) else None,
+            prompt_logprobs=engine_prompt_logprobs(req),
         )
     except ValueError as err:
         raise bad_request(str(err), field_named(str(err))) from err
@@ -276,6 +311,7 @@ class OpenAIServing:
     @staticmethod
     async def _follow(job: Job, outputs: AsyncIterator[RequestOutput]):
         async for out in outputs:
+            out = prompt_alone(out) if job.prompt_only else out
             choice = job.choices[out.request_id]
             choice.last = out
             yield choice, out
@@ -322,6 +358,11 @@ class OpenAIServing:
             return [str(t) for t in token_ids]
         return self.token_text.top_keys(token_ids)
 
+    def _top_dict(self, entry: dict[int, float], n: int) -> dict[str, float]:
+        """A position's top n, keyed as completions' top_logprobs are."""
+        top = self._top(entry, n)
+        return dict(zip(self._top_keys([t for t, _ in top]), [v for _, v in top]))
+
     def completion_logprobs(
         self, out: RequestOutput, start: int, n: int, offset: int
     ) -> CompletionLogprobs:
@@ -332,24 +373,54 @@ class OpenAIServing:
             text = self._token(token_id)
             lp.tokens.append(text)
             lp.token_logprobs.append(entry[token_id])
-            top = self._top(entry, n)
-            lp.top_logprobs.append(
-                dict(zip(self._top_keys([t for t, _ in top]), [v for _, v in top]))
-            )
+            lp.top_logprobs.append(self._top_dict(entry, n))
             lp.text_offset.append(offset)
             offset += len(text)
         return lp
 
-    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, PromptLogprob] | None] | None:
-        """vLLM's shape: per prompt token, {token id: its logprob and text}."""
-        if out.prompt_logprobs is None:
+    def echo_logprobs(self, out: RequestOutput, n: int) -> CompletionLogprobs:
+        """The prompt's tokens in the same shape, as vLLM echoes them: the first
+        has no logprob (null, and null top_logprobs), each later one the model's
+        given the tokens before it; text_offset from the start of the prompt."""
+        lp, offset = CompletionLogprobs(), 0
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        for token_id, entry in zip(out.prompt_token_ids, entries):
+            text = self._token(token_id)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(None if entry is None else entry[token_id])
+            lp.top_logprobs.append(None if entry is None else self._top_dict(entry, n))
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp
+
+    def choice_logprobs(
+        self, job: Job, choice: Choice, out: RequestOutput, n: int, start: int, shown: int
+    ) -> CompletionLogprobs:
+        """A chunk's logprobs, from token ``start`` and character ``shown`` of the
+        output: with echo, the prompt's first, in the choice's first chunk, and
+        the generated tokens' text_offset counted from the start of the echo."""
+        if job.echo is None:
+            return self.completion_logprobs(out, start, n, shown)
+        echo = job.echo[choice.prompt_index]
+        lp = self.completion_logprobs(out, start, n, len(echo) + shown)
+        return joined(self.echo_logprobs(out, n), lp) if job.echoes(choice) else lp
+
+    def prompt_logprobs(
+        self, out: RequestOutput, k: int | None
+    ) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's shape: per prompt token, {token id: its logprob and text}, for
+        the prompt's token and the top ``k`` (the engine may have computed more,
+        for echo's logprobs)."""
+        if out.prompt_logprobs is None or k is None:
             return None
         shown: list[dict[str, PromptLogprob] | None] = [None]  # the first token has none
-        for entry in out.prompt_logprobs[1:]:
+        for token_id, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+            kept = dict(self._top(entry, k))
+            kept[token_id] = entry[token_id]
             shown.append(
                 {
                     str(t): PromptLogprob(logprob=v, decoded_token=self._token(t))
-                    for t, v in entry.items()
+                    for t, v in kept.items()
                 }
             )
         return shown
@@ -386,11 +457,18 @@ class OpenAIServing:
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         prompts = [await self.prompts.encode(p) for p in batch]
         transfer, max_tokens = req.kv_transfer_params, req.max_tokens
+        if max_tokens == 0 and not req.echo:
+            raise bad_request(
+                "max_tokens 0 is only allowed with echo (the prompt alone): "
+                "without it there would be nothing to return",
+                "max_tokens",
+            )
         if transfer is not None:
             check_transfer(req, len(prompts), self.llm.kv_root is not None)
             max_tokens = 1 if transfer.do_remote_decode else max_tokens
-        job = self.job("cmpl", request_id, prompts, req, max_tokens, req.logprobs)
-        job.transfer = transfer
+        limit = 1 if max_tokens == 0 else max_tokens  # 0 runs as 1, its token dropped
+        job = self.job("cmpl", request_id, prompts, req, limit, req.logprobs)
+        job.transfer, job.prompt_only = transfer, max_tokens == 0
         outputs = self.start(job)
         if req.echo:  # once the engine took the prompts: their token ids are valid
             job.echo = [p if isinstance(p, str) else self._decode(p) for p in batch]
@@ -407,8 +485,8 @@ class OpenAIServing:
                 continue  # nothing new to show yet
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self.completion_logprobs(
-                    out, choice.tokens_sent, req.logprobs, choice.text_sent
+                logprobs = self.choice_logprobs(
+                    job, choice, out, req.logprobs, choice.tokens_sent, choice.text_sent
                 )
             text = job.echoed(choice) + out.text[choice.text_sent :]
             token_ids = out.token_ids[choice.tokens_sent :] if job.transfer is not None else None
@@ -434,14 +512,14 @@ class OpenAIServing:
             out = choice.last
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self.completion_logprobs(out, 0, req.logprobs, 0)
+                logprobs = self.choice_logprobs(job, choice, out, req.logprobs, 0, 0)
             choices.append(
                 CompletionChoice(
                     index=choice.index,
                     text=job.echoed(choice) + out.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(out),
-                    prompt_logprobs=self.prompt_logprobs(out),
+                    prompt_logprobs=self.prompt_logprobs(out, req.prompt_logprobs),
                 )
             )
         reply = None
