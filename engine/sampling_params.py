@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+# float32's smallest positive (subnormal) and largest numbers: the sampler's logits
+# are float32, and a penalty outside this range rounds to 0 or infinity there.
+FLOAT32_TINIEST = 1.401298464324817e-45
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 class RequestOutputKind(Enum):
     """Which outputs a request's caller gets, named as in vLLM: CUMULATIVE, one
@@ -118,8 +123,11 @@ class SamplingParams:
         for name, value in penalties.items():
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not FLOAT32_TINIEST <= self.repetition_penalty <= FLOAT32_MAX:
+            raise ValueError(  # the sampler divides float32 logits by it: 5e-324 becomes 0
+                f"repetition_penalty must be > 0 and within float32's range "
+                f"[{FLOAT32_TINIEST:.4g}, {FLOAT32_MAX:.4g}], got {self.repetition_penalty}"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

@@ -79,6 +79,9 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
         seen = in_output | p.prompt_mask[:, :vocab]
         scale = torch.where(seen, p.repetition[:, None], 1.0)
         picked = torch.where(picked > 0, picked / scale, picked * scale)
+        # A tiny penalty can push a logit past float32's largest: keep it finite, so
+        # that a row with one stays a distribution (+inf would make softmax NaN).
+        picked = picked.clamp(max=torch.finfo(picked.dtype).max)
     picked = picked - p.frequency[:, None] * counts - p.presence[:, None] * in_output
     out = logits.clone()
     out[p.rows] = picked

@@ -252,6 +252,8 @@ def test_a_stop_tokens_text_shows_only_with_include_stop_str() -> None:
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 5e-324}, "float32"),  # 0 in float32: logits / 0
+        ({"repetition_penalty": 1e39}, "float32"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
@@ -260,3 +262,18 @@ def test_a_stop_tokens_text_shows_only_with_include_stop_str() -> None:
 def test_bad_settings_are_value_errors(kw, needle) -> None:
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**kw)
+
+
+def test_a_tiny_repetition_penalty_keeps_every_logit_finite() -> None:
+    """A penalty within float32's range can still push a seen token's logit past
+    its largest number: it is held there, not made +inf, which turned softmax into
+    NaNs and sampled token 0 whatever the grammar allowed (the OpenAPI fuzzer's
+    guided_choice ["0"] with repetition_penalty 5e-324 got a 500)."""
+    logits = torch.tensor([[4.0, -3.0, 0.0, 2.0]])
+    params = SamplingParams(repetition_penalty=1e-40)
+    mask = prompt_mask([0, 1, 2], 4, torch.device("cpu"))
+    md = SamplingMetadata.from_rows([SamplingRow(params, 0, 0, [], mask)], 4, torch.device("cpu"))
+    out = adjust_logits(logits, md)
+    assert out[0, 0] == torch.finfo(torch.float32).max  # 4 / 1e-40, held finite
+    assert out[0, 2] == 0.0 and out[0, 3] == 2.0 and -1e-30 < out[0, 1] < 0  # -3 x 1e-40
+    assert Sampler()(logits, md).sampled_token_ids[0] == 0
