@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from tokenizers import Tokenizer
 
@@ -80,7 +81,16 @@ class PromptTokenizer:
         """The bound for a prompt of ``size`` UTF-8 bytes."""
         return 0 if self.bytes_per_token is None else cdiv(size, self.bytes_per_token)
 
-    async def encode(self, text: str | list[int], param: str = "prompt") -> list[int]:
+    async def encode(
+        self,
+        text: str | list[int],
+        param: str = "prompt",
+        add_special_tokens: bool = True,
+        bounded: bool = True,
+    ) -> list[int]:
+        """The prompt's token ids, in the pool's threads beyond INLINE_BYTES. With
+        ``bounded``, a prompt that cannot fit the context is a 400 before it is
+        tokenized; /tokenize counts text of any length (bounded=False)."""
         if isinstance(text, list):
             return text
         if self.tokenizer is None:
@@ -91,19 +101,21 @@ class PromptTokenizer:
             raise bad_request(
                 f"{param}: a lone surrogate is not valid Unicode text", param
             ) from None
-        if (least := self._at_least(size)) >= self.max_model_len:  # encoded once, above
+        if bounded and (least := self._at_least(size)) >= self.max_model_len:  # encoded once
             raise bad_request(
                 f"the prompt has at least {least} tokens ({size} bytes), but this model's "
                 f"maximum context length is {self.max_model_len} tokens",
                 param,
             )
         if size <= INLINE_BYTES:
-            return self.tokenizer.encode(text).ids
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._encode_released, text)
+        released = partial(self._encode_released, text, add_special_tokens)
+        return await loop.run_in_executor(self.pool, released)
 
-    def _encode_released(self, text: str) -> list[int]:
-        return self.tokenizer.encode_batch([text])[0].ids  # encode_batch lets the GIL go
+    def _encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch lets the GIL go
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

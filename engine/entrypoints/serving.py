@@ -26,6 +26,7 @@ from engine.entrypoints.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
@@ -536,14 +537,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if self.chat_template is None:
             raise bad_request("this model has no chat template; use /v1/completions")
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in req.messages
-        ]
-        try:
-            text = self.chat_template.render(messages, req.add_generation_prompt)
-        except TemplateError as err:
-            raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
+        text = self.render_chat(req.messages, req.add_generation_prompt)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         prompt = await self.prompts.encode(text, "messages")
@@ -553,6 +547,19 @@ class OpenAIServing:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return self.stream(job, self._chat_chunks(job, req, outputs, usage), usage)
         return await self._chat(job, req, outputs)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The prompt the chat template renders for ``messages`` (OpenAI's developer
+        role is a system message); a template's refusal is a 400. Needs a template."""
+        assert self.chat_template is not None
+        turns = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages
+        ]
+        try:
+            return self.chat_template.render(turns, add_generation_prompt)
+        except TemplateError as err:
+            raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
 
     def _chunk(self, job: Job, req: ChatCompletionRequest, **kw) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=job.id, model=req.model, **kw)

@@ -7,28 +7,24 @@ from a hub:
     GET  /tokenizer_info   the tokenizer's configuration (tokenizer_config.json's entries)
 
 The ids are those the completions and chat endpoints feed the engine: the same
-tokenizer, chat template and rendering. Unlike them, /tokenize takes text longer
-than the context, as vLLM's does (a client splits a long document into windows
-by its tokens); text beyond a few kilobytes is tokenized in the prompt
-tokenizer's threads, so that it does not stall the server. Like vLLM's, these
+tokenizer, chat template and rendering (OpenAIServing.render_chat), and the same
+encoding (PromptTokenizer.encode, in its threads beyond a few kilobytes). Unlike
+them, /tokenize takes text longer than the context, as vLLM's does (a client
+splits a long document into windows by its tokens). Like vLLM's, these
 routes are at the root, outside /v1/, so the API key does not guard them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
-from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer
 
 from engine.entrypoints.errors import bad_request
-from engine.entrypoints.prompt_tokens import INLINE_BYTES
 from engine.entrypoints.protocol import ChatMessage
 from engine.entrypoints.serving import OpenAIServing
 
@@ -98,44 +94,25 @@ def _tokenizer(serving: OpenAIServing, param: str | None = None) -> Tokenizer:
     return serving.tokenizer
 
 
-async def encode(serving: OpenAIServing, text: str, special: bool, param: str) -> list[int]:
-    """The text's ids as the prompt tokenizer gives them (with ``special``, the
-    tokenizer's own special tokens, as completions add them), in its threads
-    beyond INLINE_BYTES; without its refusal of text longer than the context."""
-    tokenizer = _tokenizer(serving, param)
-    try:
-        size = len(text.encode())
-    except UnicodeEncodeError:  # valid JSON ("\ud800"), but no text
-        raise bad_request(f"{param}: a lone surrogate is not valid Unicode text", param) from None
-    if size <= INLINE_BYTES:
-        return tokenizer.encode(text, add_special_tokens=special).ids
-    batch = partial(tokenizer.encode_batch, [text], add_special_tokens=special)
-    loop = asyncio.get_running_loop()
-    return (await loop.run_in_executor(serving.prompts.pool, batch))[0].ids
-
-
 def render_chat(serving: OpenAIServing, req: TokenizeRequest) -> str:
     """The prompt the chat endpoint renders for these messages."""
     if serving.chat_template is None:
         raise bad_request("this model has no chat template", "messages")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in req.messages or []
-    ]
-    try:
-        return serving.chat_template.render(messages, req.add_generation_prompt)
-    except TemplateError as err:
-        raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
+    return serving.render_chat(req.messages or [], req.add_generation_prompt)
 
 
 async def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> TokenizeResponse:
     serving.check_model(req.model)
+    encode = serving.prompts.encode  # as completions and chat encode, without the bound
     if req.prompt is not None:
+        _tokenizer(serving, "prompt")
         special = req.add_special_tokens is not False
-        ids = await encode(serving, req.prompt, special, "prompt")
+        ids = await encode(req.prompt, "prompt", add_special_tokens=special, bounded=False)
     else:
         special = req.add_special_tokens is True
-        ids = await encode(serving, render_chat(serving, req), special, "messages")
+        text = render_chat(serving, req)
+        _tokenizer(serving, "messages")
+        ids = await encode(text, "messages", add_special_tokens=special, bounded=False)
     strs = None
     if req.return_token_strs:
         tokenizer = _tokenizer(serving)

@@ -28,7 +28,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,49 +225,30 @@ SERVE_MATRIX = [(d, c) for d in ("float32", "bfloat16") for c in ("native", "avx
 
 
 @pytest.mark.parametrize(("dtype", "cap"), SERVE_MATRIX, ids=[f"{d}-{c}" for d, c in SERVE_MATRIX])
-def test_serve_starts_answers_and_exits_on_sigterm(dtype: str, cap: str, tmp_path) -> None:
+def test_serve_starts_answers_and_exits_on_sigterm(dtype: str, cap: str) -> None:
     """`deepinfer serve` with its default compiled decode: it starts, answers, and on
     SIGTERM drains and ends by that signal, as the README says, with no heap error."""
-    from tests.server.conftest import free_port
+    from tests.server.conftest import ready, spawn, stop
 
-    port, log = free_port(), tmp_path / "serve.log"
-    argv = [sys.executable, "-m", "engine.tools.cli", "serve", str(SHIPPED / "deepinfer-tiny")]
-    argv += ["--dtype", dtype, "--port", str(port), "--num-kv-blocks", "256"]
-    with log.open("w") as sink:
-        proc = subprocess.Popen(
-            argv, stdout=sink, stderr=subprocess.STDOUT, env=child_env(cap), cwd=ROOT
-        )
+    tiny = str(SHIPPED / "deepinfer-tiny")
+    server = spawn(
+        "serve", tiny, "--dtype", dtype, "--num-kv-blocks", "256", environ=child_env(cap)
+    )
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, log)
+        ready(server)
         body = {
             "model": "deepinfer-tiny",
             "prompt": "Keys and values",
             "max_tokens": 4,
             "temperature": 0,
         }
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
-        proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout=60)
+        server.proc.send_signal(signal.SIGTERM)
+        status = server.proc.wait(timeout=60)
+        text = server.log.read_text(errors="replace")
+        assert status == -signal.SIGTERM, f"exit status {status} under {cap}:\n{text[-3000:]}"
+        assert not GLIBC_HEAP_ERROR.search(text), text[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = log.read_text(errors="replace")
-    assert status == -signal.SIGTERM, f"exit status {status} under {cap}:\n{text[-3000:]}"
-    assert not GLIBC_HEAP_ERROR.search(text), text[-3000:]
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"did not start:\n{log.read_text()[-3000:]}")
+        stop(server)  # kills it if it still runs, and removes its log

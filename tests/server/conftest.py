@@ -87,13 +87,16 @@ def env() -> dict[str, str]:
     }
 
 
-def spawn(command: str, *args: str) -> Running:
-    """Start `deepinfer COMMAND ARGS --port P`; see ready() and stop()."""
+def spawn(command: str, *args: str, environ: dict[str, str] | None = None) -> Running:
+    """Start `deepinfer COMMAND ARGS --port P`, in ``environ`` (default: env());
+    see ready() and stop()."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix=f"deepinfer-{command}-", suffix=".log")[1])
     argv = [sys.executable, "-m", "engine.tools.cli", command, *args, "--port", str(port)]
     with log.open("w") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
+        proc = subprocess.Popen(
+            argv, stdout=sink, stderr=subprocess.STDOUT, env=environ or env(), cwd=ROOT
+        )
     return Running(f"http://127.0.0.1:{port}", proc, log)
 
 
