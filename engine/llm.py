@@ -13,11 +13,11 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine, Prompt
-from engine.core.stats import EngineStats
 from engine.distributed.balancer import RebalanceReport
 from engine.kv.handoff import Handoff
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.stats import EngineStats
 
 
 class TextPrompt(TypedDict):

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 from engine.core.executor import Executor
 from engine.core.output_processor import OutputSink
-from engine.core.stats import EngineStats
 from engine.outputs import FinishReason, RequestOutput
 from engine.runner.async_model_runner import StepFuture
 from engine.sched.async_scheduler import AsyncScheduler
-from engine.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
+from engine.scheduler_output import PLACEHOLDER, SchedulerOutput
 from engine.sequence import Sequence
+from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 from engine.structured_output.request import StructuredOutputRequest
 

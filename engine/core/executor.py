@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad
 from engine.distributed.placement import ExpertPlacement
 from engine.kv.kv_cache import KVBlocks, KVCacheConfig
@@ -24,7 +23,8 @@ from engine.outputs import ModelRunnerOutput
 from engine.runner.async_model_runner import AsyncModelRunner, StepFuture
 from engine.runner.model_runner import ModelRunner
 from engine.runner.torch_thread import TorchThread
-from engine.sched.scheduler_output import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
+from engine.stats import EngineStats
 
 
 class Executor(ABC):

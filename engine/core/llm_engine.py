@@ -18,7 +18,6 @@ from engine.core.async_loop import AsyncLoop
 from engine.core.executor import Executor, UniProcExecutor
 from engine.core.output_processor import OutputProcessor, OutputSink
 from engine.core.request_checker import BlockChain, Prompt, RequestChecker
-from engine.core.stats import EngineStats
 from engine.core.trace import StepTrace
 from engine.distributed.balancer import ExpertBalancer
 from engine.kv.block_manager import BlockManager
@@ -33,6 +32,7 @@ from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode.factory import make_proposer, make_verify_schedule
+from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 
 

@@ -35,9 +35,9 @@ import torch
 
 if TYPE_CHECKING:
     from engine.core.output_processor import OutputSink
-    from engine.core.stats import EngineStats
     from engine.runner.model_runner import ModelRunner
     from engine.sched.scheduler import Scheduler
+    from engine.stats import EngineStats
 
 STAGES = ("schedule", "prepare", "forward", "update", "process")
 

@@ -9,9 +9,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.executor import Executor
-from engine.core.stats import EngineStats
 from engine.distributed.eplb import imbalance, rebalance_experts
 from engine.distributed.placement import ExpertPlacement, initial_placement, rank_imbalance
+from engine.stats import EngineStats
 
 
 @dataclass

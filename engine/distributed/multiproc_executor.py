@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.core.executor import Executor
-from engine.core.stats import EngineStats
 from engine.runner.model_runner import ModelRunner
+from engine.stats import EngineStats
 
 STARTUP_TIMEOUT_S = 600.0  # loading a model in a fresh process: imports, weights
 JOIN_TIMEOUT_S = 5.0

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad, TrafficCounters, attach
 from engine.distributed.placement import ExpertPlacement, initial_placement
 from engine.models.base import CausalLM
 from engine.models.loader import iterate_weights
+from engine.stats import EngineStats
 
 
 class RankExperts:

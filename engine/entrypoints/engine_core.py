@@ -25,13 +25,13 @@ from tokenizers import Tokenizer
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.output_processor import ProcessedOutputs
-from engine.core.stats import KVTransferRecord, KVTransferStats, SpecDecodeStats
 from engine.entrypoints.host_memory import HeapTrimmer, bound_onednn_caches
 from engine.kv.handoff import Handoff
 from engine.kv.store.base import StoreStats
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.stats import KVTransferRecord, KVTransferStats, SpecDecodeStats
 
 logger = logging.getLogger("deepinfer.server")
 

@@ -16,8 +16,8 @@ from dataclasses import fields
 
 from prometheus_client import Counter, Histogram
 
-from engine.core.stats import KVTransferRecord, KVTransferStats
 from engine.kv.store.base import StoreStats
+from engine.stats import KVTransferRecord, KVTransferStats
 
 HELP = {
     "loads": "Loads from the KV store begun (a preempted request loads again).",

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from engine.core.stats import SpecDecodeStats
 from engine.entrypoints.engine_core import CoreStats
+from engine.stats import SpecDecodeStats
 
 # Accepted drafts per verify step: 0..k, k at most 16 here.
 LENGTH_BUCKETS = tuple(float(n) for n in range(17))

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import ClassVar
 
 from engine.kv.hashing import chain_hash, chain_root
-from engine.sched.scheduler_output import HOLE
+from engine.scheduler_output import HOLE
 from engine.sequence import Sequence
 from engine.utils import cdiv
 

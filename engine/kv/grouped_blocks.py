@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import chain_hash
-from engine.sched.scheduler_output import HOLE
+from engine.scheduler_output import HOLE
 from engine.sequence import Sequence
 from engine.utils import cdiv
 

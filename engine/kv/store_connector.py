@@ -28,10 +28,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from engine.core.stats import KVTransferRecord, KVTransferStats
 from engine.kv.block_codec import BlockLayout, concat, decode_block, encode_block, layout_of
 from engine.kv.hashing import chain_hash
 from engine.kv.kv_cache import KVBlocks
+from engine.stats import KVTransferRecord, KVTransferStats
 
 if TYPE_CHECKING:
     from engine.kv.store.base import KVStore, StoreStats

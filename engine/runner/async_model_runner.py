@@ -25,12 +25,12 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig
-from engine.core.stats import EngineStats
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
 from engine.runner.future_tokens import FutureTokens
 from engine.runner.model_runner import ModelRunner, PreparedStep
 from engine.runner.torch_thread import TorchThread
-from engine.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
+from engine.scheduler_output import PLACEHOLDER, SchedulerOutput
+from engine.stats import EngineStats
 
 
 class StepFuture(Protocol):

@@ -19,7 +19,6 @@ from engine.attention.backend import get_backend
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata, decode_query_len, for_decodes
 from engine.config import EngineConfig
-from engine.core.stats import EngineStats
 from engine.distributed.expert_parallel import ExpertLoad, broadcast_from_rank0
 from engine.distributed.placement import ExpertPlacement
 from engine.distributed.rank_experts import RankExperts
@@ -49,7 +48,7 @@ from engine.runner.prompt_logprobs import (
     prompt_rows,
 )
 from engine.sampling_params import SamplingParams
-from engine.sched.scheduler_output import (
+from engine.scheduler_output import (
     HOLE,
     GrammarOutput,
     ScheduledRequest,
@@ -58,6 +57,7 @@ from engine.sched.scheduler_output import (
 )
 from engine.spec_decode.mtp import MTPProposer, mtp_target
 from engine.spec_decode.rejection_sampler import SampledDrafts, verify_sampled
+from engine.stats import EngineStats
 from engine.utils import cdiv, to_device
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import LogprobsTensors
-from engine.sched.scheduler_output import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from engine.utils import to_device
 
 

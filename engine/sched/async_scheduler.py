@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from engine.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, TokenRow
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
-from engine.sched.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.proposer import NO_DRAFT, Draft
 

@@ -29,7 +29,6 @@ from collections.abc import Collection, Mapping
 from itertools import count
 
 from engine.attention.metadata import decode_query_len
-from engine.core.stats import EngineStats
 from engine.kv.block_manager import BlockManager
 from engine.kv.connector import KVConnector, NoConnector
 from engine.outputs import (
@@ -40,10 +39,11 @@ from engine.outputs import (
     ModelRunnerOutput,
     TokenRow,
 )
-from engine.sched.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.proposer import NO_DRAFT, Draft, DraftProposer
 from engine.spec_decode.verify_length import ConfidenceSchedule, StepShape
+from engine.stats import EngineStats
 
 
 class Scheduler:

@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.layers.sampler import RandomRows, SamplingRow, argmax, exponential_noise
 from engine.models.loader import load_tokenizer
 from engine.runner.model_runner import ModelRunner
-from engine.sched.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.spec_decode.draft_kv import DraftKV
 from engine.spec_decode.proposer import Draft
 from engine.spec_decode.rejection_sampler import target_probs

@@ -50,7 +50,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kv.kv_cache import KVCachePool
 from engine.layers.sampler import argmax
 from engine.models.base import CausalLM
-from engine.sched.scheduler_output import ScheduledRequest, padded
+from engine.scheduler_output import ScheduledRequest, padded
 from engine.utils import cdiv, to_device
 
 HELD = -1  # in SeqRows.hidden_rows: the h held from the request's previous step

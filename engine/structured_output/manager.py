@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from engine.sampling_params import StructuredOutputsParams
-from engine.sched.scheduler_output import GrammarOutput, SchedulerOutput
+from engine.scheduler_output import GrammarOutput, SchedulerOutput
 from engine.structured_output.request import StructuredOutputRequest
 from engine.utils import cdiv
 

@@ -51,7 +51,7 @@ from tokenizers import Tokenizer
 from engine.llm import LLM
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.sched.scheduler_output import HOLE
+from engine.scheduler_output import HOLE
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "snippets" / "models"

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.core.stats import EngineStats
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
+from engine.stats import EngineStats
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: docs/ and engine/
 

@@ -23,7 +23,7 @@ from engine.kv.hashing import chain_hash, chain_root
 from engine.kv.kv_cache import FullAttentionSpec, KVCacheSpec, MLACacheSpec
 from engine.kv.quant import FORMATS
 from engine.kv.sparse_cache import IndexedLatentSpec
-from engine.sched.scheduler_output import HOLE
+from engine.scheduler_output import HOLE
 from engine.utils import cdiv
 
 BLOCK_SIZE = 16

@@ -31,7 +31,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.layers import compressor
-from engine.sched.scheduler_output import HOLE
+from engine.scheduler_output import HOLE
 from engine.utils import cdiv
 
 TOKENIZER = Path(os.environ.get("DEEPINFER_DEMO_MODEL_MOE", "snippets/models/deepinfer-tiny-moe"))

@@ -28,7 +28,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.hyper_connection import sinkhorn
-from engine.sched.scheduler_output import HOLE
+from engine.scheduler_output import HOLE
 from engine.utils import cdiv
 from tests.engine.conftest import EOS, VOCAB, build_tokenizer, hf_greedy, random_prompts
 from tests.engine.test_mtp import run

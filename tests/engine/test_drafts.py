@@ -15,7 +15,6 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.metadata import AttentionMetadata, decode_query_len
-from engine.core.stats import EngineStats
 from engine.kv.block_manager import BlockManager
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode
@@ -24,6 +23,7 @@ from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode import Draft
+from engine.stats import EngineStats
 from tests.engine.conftest import EOS, VOCAB, random_prompts
 
 PROMPTS = random_prompts(4, seed=21, low=3, high=20)

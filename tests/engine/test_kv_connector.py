@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.stats import EngineStats
 from engine.kv.block_manager import BlockManager
 from engine.kv.connector import KVConnector, NoConnector
 from engine.outputs import EngineCoreEventType, EngineCoreOutput, FinishReason, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
-from engine.sched.scheduler_output import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.stats import EngineStats
 from tests.engine.test_scheduler_property import Workload, answer, check_chunks, workloads
 
 BLOCK = 4

@@ -32,7 +32,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.sched.scheduler_output import HOLE, SchedulerOutput
+from engine.scheduler_output import HOLE, SchedulerOutput
 from engine.sequence import Sequence
 from engine.tools.cli import build_parser, serve_engine_config
 from engine.utils import cdiv

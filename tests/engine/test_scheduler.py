@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.stats import EngineStats
 from engine.kv.block_manager import BlockManager
 from engine.outputs import EngineCoreEventType, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.stats import EngineStats
 
 
 def make(num_blocks: int, budget: int, block_size: int = 4) -> Scheduler:

@@ -22,13 +22,13 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine.core.stats import EngineStats
 from engine.kv.block_manager import BlockManager
 from engine.outputs import EngineCoreEvent, EngineCoreEventType, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
-from engine.sched.scheduler_output import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from engine.sequence import Sequence, SequenceStatus
+from engine.stats import EngineStats
 
 
 @dataclass

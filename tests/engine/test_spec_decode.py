@@ -24,13 +24,13 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.stats import EngineStats, SpecDecodeStats
 from engine.entrypoints.engine_core import CoreStats
 from engine.entrypoints.metrics import ServerMetrics
 from engine.kv.hashing import chain_hash
 from engine.sequence import Sequence
 from engine.spec_decode import Draft, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer, propose_ngram
+from engine.stats import EngineStats, SpecDecodeStats
 from engine.utils import cdiv
 from tests.engine.chi_square import chi_square
 from tests.engine.conftest import VOCAB, random_prompts

@@ -9,11 +9,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.output_processor import OutputProcessor
-from engine.core.stats import EngineStats
 from engine.kv.block_manager import BlockManager
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stats import EngineStats
 from tests.engine.conftest import EOS, random_prompts
 
 
