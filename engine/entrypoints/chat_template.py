@@ -41,10 +41,19 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special_tokens = special_tokens
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt; a conversation the template refuses raises TemplateError."""
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The prompt; a conversation the template refuses raises TemplateError.
+        ``tools``: OpenAI's tool definitions, for a template that lists them."""
         return self.template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **self.special_tokens,
         )
 
 

@@ -78,8 +78,6 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (as a string) -> bias, clamped to [-100, 100]"
     )
-    tools: list[dict] | None = Field(None, max_length=0, description="not supported")
-    tool_choice: Literal["none"] | None = Field(None, description="not supported beyond none")
     # Extensions, with vLLM's names.
     top_k: int = Field(0, ge=-1, description="0 or -1: off")
     min_p: float = Field(0.0, ge=0, le=1)
@@ -125,19 +123,68 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = ""  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        None, description="may be null only in an assistant message with tool_calls"
+    )
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, unless an assistant message has tool_calls")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema; none: any object")
+    strict: bool | None = None  # the arguments always follow the schema: the grammar holds them
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none, required or a named function (tools.py); auto is refused: it "
+        "needs a tool-call parser",
+    )
+    parallel_tool_calls: bool | None = None  # with required: false allows one call
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -220,14 +267,19 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # Left out unless the request asked for calls, so that a text reply keeps its shape.
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -239,16 +291,29 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None  # with the call's first delta, as is its type and name
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -27,6 +27,7 @@ from engine.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
+    ChatTool,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
@@ -42,6 +43,7 @@ from engine.entrypoints.protocol import (
     Usage,
 )
 from engine.entrypoints.token_text import TokenText
+from engine.entrypoints.tools import ToolCalls, template_call, tool_mode
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -55,6 +57,7 @@ class Choice:
     text_sent: int = 0
     tokens_sent: int = 0
     last: RequestOutput | None = None
+    tools: ToolCalls | None = None  # chat with tool_choice required or named: its calls
 
 
 @dataclass
@@ -127,16 +130,21 @@ def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLog
     )
 
 
-def finish_reason(out: RequestOutput) -> str | None:
+def finish_reason(out: RequestOutput, tools: ToolCalls | None = None) -> str | None:
+    """OpenAI's: a reply held to the tools' schemas that ended by itself made calls."""
     if not out.finished:
         return None
-    return "length" if out.finish_reason == "length" else "stop"
+    if out.finish_reason == "length":
+        return "length"
+    return "tool_calls" if tools is not None else "stop"
 
 
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     """The one constraint a request puts on its output, from OpenAI's response_format
     or vLLM's structured_outputs or guided_* fields; a 400 for more than one."""
     found: list[tuple[str, StructuredOutputsParams]] = []
+    if isinstance(req, ChatCompletionRequest) and (tools := tool_mode(req)) is not None:
+        found.append(("tool_choice", tools.constraint()))
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
         found.append(("response_format", StructuredOutputsParams(json_object=True)))
@@ -220,6 +228,39 @@ def logit_bias(req: SamplingFields) -> dict[int, float] | None:
     if bad:
         raise bad_request(f"logit_bias keys must be token ids, got {bad[0]!r}", "logit_bias")
     return {int(key): bias for key, bias in req.logit_bias.items()}
+
+
+def turn(message: ChatMessage) -> dict:
+    """A message as a chat template reads it: OpenAI's developer role is a system
+    message; an assistant's calls and a tool's call id as transformers passes them."""
+    role = "system" if message.role == "developer" else message.role
+    out: dict = {"role": role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [template_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def assistant_message(choice: Choice, out: RequestOutput) -> AssistantMessage:
+    """A whole reply: its text, or with tools the calls it holds (and any text
+    left over, a call cut off by max_tokens)."""
+    if choice.tools is None:
+        return AssistantMessage(content=out.text)
+    choice.tools.feed(out.text)
+    rest = out.text[choice.tools.read :].strip()
+    return AssistantMessage(content=rest or None, tool_calls=choice.tools.calls)
+
+
+def chat_delta(choice: Choice, out: RequestOutput) -> DeltaMessage | None:
+    """What a stream sends of a choice's new output; None for nothing yet."""
+    if choice.tools is None:
+        return DeltaMessage(content=out.text[choice.text_sent :] or None)
+    calls = choice.tools.feed(out.text)
+    rest = out.text[choice.tools.read :].strip() if out.finished else ""
+    if not calls and not rest and not out.finished:
+        return None
+    return DeltaMessage(content=rest or None, tool_calls=calls or None)
 
 
 def sse(chunk: BaseModel | dict, null_usage: bool = False) -> str:
@@ -537,27 +578,34 @@ class OpenAIServing:
         self.check_model(req.model)
         if self.chat_template is None:
             raise bad_request("this model has no chat template; use /v1/completions")
-        text = self.render_chat(req.messages, req.add_generation_prompt)
+        tools = tool_mode(req)
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.tools)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         prompt = await self.prompts.encode(text, "messages")
         job = self.job("chatcmpl", request_id, [prompt], req, max_tokens, logprobs)
+        for choice in job.choices.values():
+            choice.tools = ToolCalls(tools) if tools is not None else None
         outputs = self.start(job)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return self.stream(job, self._chat_chunks(job, req, outputs, usage), usage)
         return await self._chat(job, req, outputs)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[ChatTool] | None = None,
+    ) -> str:
         """The prompt the chat template renders for ``messages`` (OpenAI's developer
-        role is a system message); a template's refusal is a 400. Needs a template."""
+        role is a system message) and ``tools``, as transformers passes them; a
+        template's refusal is a 400. Needs a template."""
         assert self.chat_template is not None
-        turns = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages
-        ]
+        turns = [turn(m) for m in messages]
+        listed = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
-            return self.chat_template.render(turns, add_generation_prompt)
+            return self.chat_template.render(turns, add_generation_prompt, listed)
         except TemplateError as err:
             raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
 
@@ -573,16 +621,18 @@ class OpenAIServing:
         async for choice, out in outputs:
             if len(out.text) == choice.text_sent and not out.finished:
                 continue
+            delta = chat_delta(choice, out)
+            if delta is None:
+                continue  # a call still being written
             logprobs = None
             if req.logprobs:
                 logprobs = self.chat_logprobs(out, choice.tokens_sent, req.top_logprobs or 0)
-            text = out.text[choice.text_sent :]
             choice.text_sent, choice.tokens_sent = len(out.text), len(out.token_ids)
             item = ChatChunkChoice(
                 index=choice.index,
-                delta=DeltaMessage(content=text or None),
+                delta=delta,
                 logprobs=logprobs,
-                finish_reason=finish_reason(out),
+                finish_reason=finish_reason(out, choice.tools),
             )
             yield self._chunk(job, req, choices=[item])
         if usage:
@@ -600,9 +650,9 @@ class OpenAIServing:
             choices.append(
                 ChatChoice(
                     index=choice.index,
-                    message=AssistantMessage(content=out.text),
+                    message=assistant_message(choice, out),
                     logprobs=logprobs,
-                    finish_reason=finish_reason(out),
+                    finish_reason=finish_reason(out, choice.tools),
                 )
             )
         return ChatCompletionResponse(
