@@ -65,3 +65,28 @@ def for_decodes(
         context_lens_cpu=list(context_lens_cpu),
         query_lens_cpu=[1] * n,
     )
+
+
+def one_query_per_row(meta: AttentionMetadata) -> AttentionMetadata:
+    """The step's attention as one-token decodes: every query token becomes a row
+    with its sequence's block table and a context that ends at its own position.
+
+    A prompt chunk's token at position p then attends over keys 0..p exactly as
+    a decode at position p would, through the same kernel, whatever chunk or
+    batch it came in. Causality is the context length: the step's keys are
+    already in the cache, and each row stops at its own.
+
+    A step of decodes alone is that already, and is returned as it is: a CUDA
+    graph captured over static buffers must go on reading those buffers.
+    """
+    if meta.num_decodes == len(meta.query_lens_cpu):
+        return meta
+    contexts = [
+        ctx - n + 1 + j
+        for ctx, n in zip(meta.context_lens_cpu, meta.query_lens_cpu)
+        for j in range(n)
+    ]
+    repeats = torch.tensor(meta.query_lens_cpu, device=meta.block_tables.device)
+    tables = meta.block_tables.repeat_interleave(repeats, dim=0, output_size=len(contexts))
+    lens = torch.tensor(contexts, dtype=torch.int32, device=tables.device)
+    return for_decodes(meta.slot_mapping, tables, lens, contexts)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_ops import rms_norm, rotary_embedding
 from engine.kv.kv_cache import (
     LatentKV,
     PagedKV,
@@ -26,8 +27,6 @@ from engine.kv.kv_cache import (
     store_latent,
 )
 from engine.kv.sparse_cache import gather_selected
-from engine.layers.layernorm import rms_norm
-from engine.layers.rotary_embedding import rotary_embedding
 from engine.utils import cdiv
 
 

@@ -3,7 +3,7 @@
 The reference backend batches decodes of similar length and pads them, and runs
 a prompt chunk as one attention call; both choose the order of a query's sums
 from its company. Here every query token is a row of its own (see
-`engine.layers.batch_invariant.one_query_per_row`), and its keys are read in splits of
+`engine.attention.metadata.one_query_per_row`), and its keys are read in splits of
 KV_SPLIT positions counted from the sequence's start. Each split's scores and
 weighted values are sums along the last dimension, whose order torch fixes by
 that dimension's length alone; the splits are merged in order, as the Triton
@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, one_query_per_row
 from engine.attention.torch_backend import TorchBackend
 from engine.kv.kv_cache import PagedKV
-from engine.layers.batch_invariant import one_query_per_row
 from engine.utils import cdiv
 
 KV_SPLIT = 32  # key positions per split: the same cut for every query of every step

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, one_query_per_row
 from engine.attention.torch_backend import TorchLatents
 from engine.kv.kv_cache import LatentKV, PagedKV, store_kvcache
-from engine.layers.batch_invariant import one_query_per_row
 
 
 @dataclass

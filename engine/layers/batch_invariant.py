@@ -13,7 +13,7 @@ an order fixed by that row alone:
   one of the same shape, so each row meets the same kernel whatever the batch
   size and the thread count (`linear`);
 * RMSNorm and the sampler's softmaxes reduce along each row, as they always do;
-* attention treats every query token as a row of its own (`one_query_per_row`)
+* attention treats every query token as a row of its own (`one_query_per_row`, in attention/metadata.py)
   and reads its keys in splits of a fixed size, the same for a prompt chunk and
   a decode, so a token's attention does not depend on how its prompt was cut
   into chunks or found in the prefix cache.
@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata, for_decodes
 from engine.utils import cdiv
 
 ROW_TILE = 16  # rows per matrix-product call in batch-invariant mode
@@ -61,28 +60,3 @@ def use_fixed_row_tiles(model: nn.Module) -> None:
 
 def _tiled_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
-
-
-def one_query_per_row(meta: AttentionMetadata) -> AttentionMetadata:
-    """The step's attention as one-token decodes: every query token becomes a row
-    with its sequence's block table and a context that ends at its own position.
-
-    A prompt chunk's token at position p then attends over keys 0..p exactly as
-    a decode at position p would, through the same kernel, whatever chunk or
-    batch it came in. Causality is the context length: the step's keys are
-    already in the cache, and each row stops at its own.
-
-    A step of decodes alone is that already, and is returned as it is: a CUDA
-    graph captured over static buffers must go on reading those buffers.
-    """
-    if meta.num_decodes == len(meta.query_lens_cpu):
-        return meta
-    contexts = [
-        ctx - n + 1 + j
-        for ctx, n in zip(meta.context_lens_cpu, meta.query_lens_cpu)
-        for j in range(n)
-    ]
-    repeats = torch.tensor(meta.query_lens_cpu, device=meta.block_tables.device)
-    tables = meta.block_tables.repeat_interleave(repeats, dim=0, output_size=len(contexts))
-    lens = torch.tensor(contexts, dtype=torch.int32, device=tables.device)
-    return for_decodes(meta.slot_mapping, tables, lens, contexts)

@@ -24,16 +24,3 @@ class RMSNorm(nn.Module):
         the GPU path fuses them into one kernel: the step's backend chooses.
         """
         return get_forward_context().backend.rms_norm(x, residual, self.weight, self.eps)
-
-
-def rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The torch version, which the reference backend runs."""
-    if residual is not None:
-        x = x + residual
-    # In float32 whatever the model's dtype, as in transformers.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * xf.to(x.dtype)
-    return out if residual is None else (out, x)

@@ -113,17 +113,3 @@ class RotaryEmbedding(nn.Module):
             q, k = deinterleave(q), deinterleave(k)
         backend = get_forward_context().backend
         return backend.rotary_embedding(positions, q, k, self.cos_sin_cache)
-
-
-def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch version, which the reference backend runs."""
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

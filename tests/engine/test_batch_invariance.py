@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from engine.layers.batch_invariant import ROW_TILE, linear, one_query_per_row
+from engine.attention.metadata import AttentionMetadata, one_query_per_row
+from engine.layers.batch_invariant import ROW_TILE, linear
 from tests.conftest import ROOT
 from tests.engine.invariance import compare, scenarios
 

@@ -30,10 +30,11 @@ from engine import LLM, SamplingParams
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchBackend
+from engine.attention.torch_ops import rotary_embedding
 from engine.kv.kv_cache import LatentKV, MLACacheSpec
 from engine.kv.sparse_cache import IndexedLatentKV, IndexedLatentSpec
 from engine.layers.indexer import Indexer, index_scores
-from engine.layers.rotary_embedding import RotaryEmbedding, rotary_embedding
+from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.utils import cdiv
 from tests.conftest import ROOT
 from tests.engine.conftest import EOS, VOCAB, build_tokenizer, hf_greedy, random_prompts
