@@ -20,6 +20,14 @@ MAX_N = 16  # choices per request: each is one engine request
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, the usage so far in every chunk too, not only the last.
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats is only allowed with include_usage")
+        return self
 
 
 class JsonSchemaFormat(BaseModel):

@@ -230,6 +230,12 @@ def logit_bias(req: SamplingFields) -> dict[int, float] | None:
     return {int(key): bias for key, bias in req.logit_bias.items()}
 
 
+def running_usage(job: Job, req: SamplingFields) -> Usage | None:
+    """vLLM's continuous_usage_stats: the request's usage so far, in every chunk."""
+    options = req.stream_options
+    return job.usage() if options is not None and options.continuous_usage_stats else None
+
+
 def turn(message: ChatMessage) -> dict:
     """A message as a chat template reads it: OpenAI's developer role is a system
     message; an assistant's calls and a tool's call id as transformers passes them."""
@@ -540,7 +546,9 @@ class OpenAIServing:
                 finish_reason=finish_reason(out),
                 token_ids=token_ids,
             )
-            yield CompletionResponse(id=job.id, model=req.model, choices=[item])
+            yield CompletionResponse(
+                id=job.id, model=req.model, choices=[item], usage=running_usage(job, req)
+            )
         if usage:
             yield CompletionResponse(id=job.id, model=req.model, choices=[], usage=job.usage())
 
@@ -617,7 +625,8 @@ class OpenAIServing:
     ):
         for choice in sorted(job.choices.values(), key=lambda c: c.index):
             delta = DeltaMessage(role="assistant", content="")
-            yield self._chunk(job, req, choices=[ChatChunkChoice(index=choice.index, delta=delta)])
+            first = ChatChunkChoice(index=choice.index, delta=delta)
+            yield self._chunk(job, req, choices=[first], usage=running_usage(job, req))
         async for choice, out in outputs:
             if len(out.text) == choice.text_sent and not out.finished:
                 continue
@@ -634,7 +643,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 finish_reason=finish_reason(out, choice.tools),
             )
-            yield self._chunk(job, req, choices=[item])
+            yield self._chunk(job, req, choices=[item], usage=running_usage(job, req))
         if usage:
             yield self._chunk(job, req, choices=[], usage=job.usage())
 
