@@ -26,8 +26,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.core.executor import Executor
 from engine.core.output_processor import OutputSink
+from engine.executor.abstract import Executor
 from engine.outputs import FinishReason, RequestOutput
 from engine.runner.async_model_runner import StepFuture
 from engine.sched.async_scheduler import AsyncScheduler

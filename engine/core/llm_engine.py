@@ -15,11 +15,12 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.async_loop import AsyncLoop
-from engine.core.executor import Executor, UniProcExecutor
 from engine.core.output_processor import OutputProcessor, OutputSink
 from engine.core.request_checker import BlockChain, Prompt, RequestChecker
 from engine.core.trace import StepTrace
 from engine.distributed.balancer import ExpertBalancer
+from engine.executor.abstract import Executor
+from engine.executor.uniproc_executor import UniProcExecutor
 from engine.kv.block_manager import BlockManager
 from engine.kv.grouped_blocks import GroupedBlockManager
 from engine.kv.handoff import Handoff
@@ -38,7 +39,7 @@ from engine.structured_output import StructuredOutputManager
 
 def make_executor(config: EngineConfig, stats: EngineStats) -> Executor:
     if config.expert_parallel_size > 1:
-        from engine.distributed.multiproc_executor import MultiprocExecutor
+        from engine.executor.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config, stats)
     return UniProcExecutor(config, stats)

@@ -3,15 +3,28 @@ re-places the experts every eplb_interval steps, and the move itself."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from engine.config import EngineConfig
-from engine.core.executor import Executor
 from engine.distributed.eplb import imbalance, rebalance_experts
+from engine.distributed.expert_parallel import ExpertLoad
 from engine.distributed.placement import ExpertPlacement, initial_placement, rank_imbalance
 from engine.stats import EngineStats
+
+
+class ExpertHost(Protocol):
+    """What the balancer needs of the executor (engine/executor/): every rank's
+    recorded load, a move to a new placement, and a call after each step."""
+
+    after_step: Callable[[], None] | None
+
+    def expert_load(self) -> ExpertLoad | None: ...
+
+    def apply_placement(self, placement: ExpertPlacement) -> None: ...
 
 
 @dataclass
@@ -27,7 +40,7 @@ class RebalanceReport:
 @dataclass
 class ExpertBalancer:
     config: EngineConfig
-    executor: Executor
+    executor: ExpertHost
     stats: EngineStats
     placement: ExpertPlacement | None = None  # where the routed experts are
     reports: list[RebalanceReport] = field(default_factory=list)

@@ -1,8 +1,8 @@
 """The door between the engine and its model runners.
 
 One process can run one ModelRunner, and every call goes straight to it
-(UniProcExecutor). Expert parallelism (Chapter 4) runs a model runner per rank,
-each in a process of its own: its executor (engine/distributed/multiproc_executor.py)
+(uniproc_executor.py). Expert parallelism (Chapter 4) runs a model runner per rank,
+each in a process of its own: its executor (multiproc_executor.py)
 sends the same call to every rank, as nano-vllm's ModelRunner.call and vLLM's
 executors do, and nothing above this module changes.
 """
@@ -13,18 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from engine.config import EngineConfig
 from engine.distributed.expert_parallel import ExpertLoad
 from engine.distributed.placement import ExpertPlacement
 from engine.kv.kv_cache import KVBlocks, KVCacheConfig
 from engine.outputs import ModelRunnerOutput
-from engine.runner.async_model_runner import AsyncModelRunner, StepFuture
-from engine.runner.model_runner import ModelRunner
-from engine.runner.torch_thread import TorchThread
+from engine.runner.async_model_runner import StepFuture
 from engine.scheduler_output import SchedulerOutput
-from engine.stats import EngineStats
 
 
 class Executor(ABC):
@@ -80,28 +74,3 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 (a no-op unless the executor started workers)
         """Release what the executor started; a no-op in one process."""
-
-
-class UniProcExecutor(Executor):
-    """One model runner, in the engine's own process. With async scheduling on a
-    CPU it lives on a thread of its own (runner/torch_thread.py), and every call
-    goes there, after the step already queued."""
-
-    def __init__(self, config: EngineConfig, stats: EngineStats) -> None:
-        self.thread: TorchThread | None = None
-        if not config.async_scheduling:
-            self.model_runner: ModelRunner = ModelRunner(config, stats)
-        elif torch.device(config.device).type != "cpu":
-            self.model_runner = AsyncModelRunner(config, stats)
-        else:
-            self.thread = TorchThread()
-            self.model_runner = self.thread.call(AsyncModelRunner, config, stats, self.thread)
-
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        call = getattr(self.model_runner, method)
-        return [call(*args) if self.thread is None else self.thread.call(call, *args)]
-
-    def shutdown(self) -> None:
-        """Let the runner's thread end, with its OpenMP pool (torch_thread.py)."""
-        if self.thread is not None:
-            self.thread.shutdown()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
-from engine.core.executor import Executor
+from engine.executor.abstract import Executor
 from engine.runner.model_runner import ModelRunner
 from engine.stats import EngineStats
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.distributed.multiproc_executor import WorkerDiedError
+from engine.executor.multiproc_executor import WorkerDiedError
 from tests.conftest import ROOT, wait_gone
 from tests.engine.conftest import random_prompts
 
