@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from jinja2 import TemplateError
 from pydantic import BaseModel
@@ -367,26 +368,39 @@ class OpenAIServing:
     def stream(
         self, job: Job, chunks: AsyncIterator[BaseModel], usage: bool = False
     ) -> StreamingResponse:
-        events = self._events(job, chunks, usage)
+        def render(event: BaseModel | OpenAIError) -> str:
+            if isinstance(event, OpenAIError):
+                return sse(event.body())
+            return sse(event, null_usage=usage)
+
+        events = self.events(job, chunks, render, end="data: [DONE]\n\n")
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(
-        self, job: Job, chunks: AsyncIterator[BaseModel], usage: bool
+    async def events(
+        self,
+        job: Job,
+        chunks: AsyncIterator,
+        render: Callable[[Any], str],
+        end: str | None,
     ) -> AsyncIterator[str]:
+        """A job's events as server-sent events, ``render``ed; an error once the
+        status is sent is an event too (``render`` gets the OpenAIError), then
+        ``end``. Whatever ends the stream, the job's requests are aborted."""
         try:
             async for event in chunks:
-                yield sse(event, null_usage=usage)
+                yield render(event)
         except OpenAIError as err:  # the status is sent already: say it in the stream
             err.request_id = job.request_id
             logger.error("request %s: %s", job.request_id, err.message)
-            yield sse(err.body())
+            yield render(err)
         except Exception:  # a bug of ours: the same, with its traceback in the log
             logger.exception("request %s failed", job.request_id)
             message = f"internal server error (request id {job.request_id})"
-            yield sse(OpenAIError(500, message, request_id=job.request_id).body())
+            yield render(OpenAIError(500, message, request_id=job.request_id))
         finally:  # the client may have gone: stop what it no longer reads
             self.llm.abort(list(job.requests))
-        yield "data: [DONE]\n\n"
+        if end is not None:
+            yield end
 
     # ------------------------------------------------------------ logprobs
 
@@ -590,7 +604,8 @@ class OpenAIServing:
         text = self.render_chat(req.messages, req.add_generation_prompt, req.tools)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        prompt = await self.prompts.encode(text, "messages")
+        # The template writes the special tokens it wants (vLLM's default for chat).
+        prompt = await self.prompts.encode(text, "messages", add_special_tokens=False)
         job = self.job("chatcmpl", request_id, [prompt], req, max_tokens, logprobs)
         for choice in job.choices.values():
             choice.tools = ToolCalls(tools) if tools is not None else None
