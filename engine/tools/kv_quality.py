@@ -20,11 +20,23 @@ The columns:
   windows of ``context`` tokens. The window row scores in chunks of one block
   (max_num_batched_tokens = block_size), so that blocks really go back between
   a window's chunks; the other rows score each window as one prompt;
+- two 95% intervals from one bootstrap over the windows (the same resampled
+  windows for every row of a table, seeded): the perplexity's own, which says how
+  much another sample of text would move it, and its gap to the table's first
+  row (exact, or dense), paired window by window, which says whether a cache
+  moved perplexity at all: every row reads the same text, so the text's own
+  spread cancels in the gap;
 - greedy agreement with the exact cache (for DSA, with dense): over a few
   prompts taken from the same text, the share of generated positions whose
   token equals the reference's, and the first position (from 0, the earliest
   over the prompts) where one differs; the reference is a separate run of the
-  exact cache, so the exact row checks that a run repeats itself;
+  exact cache, so the exact row checks that a run repeats itself. Free-running,
+  one flipped token changes every later one's context, so this share counts
+  the positions after the first flip as lost whatever the cache does there;
+- teacher-forced top-1 agreement: the reference's replies fed back as prompts
+  through the cache, and the share of their positions where the cache's most
+  likely token is the reference's own; every position has the reference's
+  context, so a flip costs one position and no more;
 - KV bytes per token from the engine's own pool (block_bytes() / block_size,
   every layer), and its ratio to exact's; and the most blocks one request held
   during the generation, where the window's saving shows.
@@ -37,6 +49,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 import subprocess
 import tempfile
@@ -96,8 +109,11 @@ class QualityRow:
     model: str
     cache: str
     perplexity: float  # held out, exp(mean NLL)
+    perplexity_interval: tuple[float, float]  # 95%, bootstrap over windows
+    gap_interval: tuple[float, float]  # 95% of perplexity - the first row's, paired
     agreement: float  # share of generated positions equal to the reference's
     first_difference: int | None  # earliest generated position that differs; None: none
+    forced_agreement: float  # share of the reference's positions that are our top 1
     bytes_per_token: float  # the pool's, over every layer
     bytes_ratio: float  # to the table's first row (exact, or dense for DSA)
     peak_blocks: int  # the most blocks one request held while generating
@@ -153,14 +169,58 @@ def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
     return Run([done[i] for i in ids], peak)
 
 
-def perplexity(outputs: list[RequestOutput]) -> float:
-    """exp(mean NLL) of every scored prompt token (all but each window's first)."""
-    nll = [
-        -entry[token]
+@dataclass(frozen=True)
+class WindowScore:
+    """One scored window: its summed NLL over the tokens it scores, and how many."""
+
+    nll: float
+    tokens: int
+
+
+def window_scores(outputs: list[RequestOutput]) -> list[WindowScore]:
+    """Each window's NLL of every scored prompt token (all but the window's first)."""
+    return [
+        WindowScore(
+            -sum(entry[token] for token, entry in zip(out.prompt_token_ids[1:], logprobs)),
+            len(out.prompt_token_ids) - 1,
+        )
         for out in outputs
-        for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])
+        for logprobs in [out.prompt_logprobs[1:]]
     ]
-    return math.exp(sum(nll) / len(nll))
+
+
+def perplexity(scores: Sequence[WindowScore]) -> float:
+    """exp(mean NLL) over the windows' tokens."""
+    return math.exp(sum(s.nll for s in scores) / sum(s.tokens for s in scores))
+
+
+DRAWS = 2000  # bootstrap resamples
+LEVEL = 0.95  # the share of them an interval holds
+
+
+def resamples(windows: int, draws: int = DRAWS, seed: int = 0) -> list[list[int]]:
+    """The bootstrap's draws of window indices, with replacement, seeded: every
+    row of a table is resampled with the same draws, so its gap is paired."""
+    rng = random.Random(seed)
+    return [[rng.randrange(windows) for _ in range(windows)] for _ in range(draws)]
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """The central LEVEL of a bootstrap's values."""
+    ordered, tail = sorted(values), (1 - LEVEL) / 2
+    return ordered[int(tail * len(ordered))], ordered[int((1 - tail) * len(ordered)) - 1]
+
+
+def bootstrap(
+    ours: Sequence[WindowScore], reference: Sequence[WindowScore], draws: list[list[int]]
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """95% intervals of our perplexity, and of its gap to the reference's."""
+    ppl, gap = [], []
+    for pick in draws:
+        mine = perplexity([ours[i] for i in pick])
+        ppl.append(mine)
+        gap.append(mine - perplexity([reference[i] for i in pick]))
+    return interval(ppl), interval(gap)
 
 
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[float, int | None]:
@@ -189,6 +249,19 @@ def engine_for(cache: Cache, sizes: Sizes, chunked: bool) -> LLM:
     )
 
 
+def forced_agreement(llm: LLM, prompts: list[list[int]], replies: list[list[int]]) -> float:
+    """Teacher-forced: each prompt and its reference reply scored as one prompt; the
+    share of reply positions where our most likely token is the reference's."""
+    top1 = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outputs = drive(llm, [p + r for p, r in zip(prompts, replies)], top1).outputs
+    same = total = 0
+    for prompt, reply, out in zip(prompts, replies, outputs):
+        entries = out.prompt_logprobs[len(prompt) : len(prompt) + len(reply)]
+        same += sum(max(e, key=e.__getitem__) == t for t, e in zip(reply, entries))
+        total += len(reply)
+    return same / total
+
+
 def generate(cache: Cache, sizes: Sizes, prompts: list[list[int]]) -> Run:
     greedy = SamplingParams(temperature=0, max_tokens=sizes.gen_tokens, ignore_eos=True)
     return drive(engine_for(cache, sizes, chunked=False), prompts, greedy)
@@ -201,17 +274,34 @@ def measure_table(name: str, caches: Sequence[Cache], sizes: Sizes) -> list[Qual
     prompts = [w[: sizes.prompt_len] for w in scored[: sizes.num_prompts]]
     reference = [o.token_ids for o in generate(caches[0], sizes, prompts).outputs]
     score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    draws = resamples(len(scored))
     rows: list[QualityRow] = []
+    first_scores: list[WindowScore] = []
     for cache in caches:
         llm = engine_for(cache, sizes, cache.chunked)
-        ppl = perplexity(drive(llm, scored, score).outputs)
+        scores = window_scores(drive(llm, scored, score).outputs)
+        first_scores = first_scores or scores
+        ppl_interval, gap_interval = bootstrap(scores, first_scores, draws)
+        forced = forced_agreement(llm, prompts, reference)
         pool = llm.llm_engine.executor.model_runner.kv_cache
         per_token = pool.block_bytes() / pool.block_size
         run = generate(cache, sizes, prompts)
         share, first = agreement([o.token_ids for o in run.outputs], reference)
         ratio = per_token / rows[0].bytes_per_token if rows else 1.0
         rows.append(
-            QualityRow(name, cache.label, ppl, share, first, per_token, ratio, run.peak_blocks)
+            QualityRow(
+                name,
+                cache.label,
+                perplexity(scores),
+                ppl_interval,
+                gap_interval,
+                share,
+                first,
+                forced,
+                per_token,
+                ratio,
+                run.peak_blocks,
+            )
         )
     return rows
 
@@ -301,7 +391,7 @@ def measure(
         if dsa:
             with random_v32(sizes) as (sparse, dense):
                 caches = [
-                    Cache(f"dense (top-k {DSA_LENGTH})", dense),
+                    Cache("dense", dense),
                     Cache(f"DSA top-k {sizes.index_topk}", sparse),
                 ]
                 rows += measure_table(DSA_MODEL, caches, sizes)
@@ -319,9 +409,12 @@ def header(sizes: Sizes) -> str:
             + (f" (the first {sizes.heldout_tokens})" if sizes.heldout_tokens else "")
             + f"; the window ({sinks} sinks, {window} recent) scored in chunks of one"
             f" {sizes.block_size}-token block, so that blocks go back between chunks",
+            f"95%: bootstrap over the windows ({DRAWS} draws); gap: perplexity minus the"
+            " first row's, paired window by window",
             f"agreement: {sizes.num_prompts} prompts of {sizes.prompt_len} held-out tokens,"
             f" {sizes.gen_tokens} greedy tokens each, against a separate exact run"
-            " (DSA: against dense)",
+            f" (DSA: against dense, index_topk {DSA_LENGTH}, every token); free: greedy"
+            " replies, forced: our top 1 along the reference's replies",
             "bytes/token: the pool's, every layer (V3.2: the indexer's keys beside the"
             " latent, in both rows); peak blocks: the most one request held while generating",
         ]
@@ -333,14 +426,17 @@ def format_rows(rows: Sequence[QualityRow]) -> str:
     for model in dict.fromkeys(r.model for r in rows):
         lines += ["", model]
         lines.append(
-            f"  {'cache':<18}{'perplexity':>11}{'agree':>8}{'first diff':>11}"
-            f"{'bytes/token':>13}{'ratio':>7}{'peak blocks':>13}"
+            f"  {'cache':<14}{'perplexity':>11}{'95%':>18}{'gap 95%':>18}{'free':>7}"
+            f"{'first differs':>14}{'forced':>7}{'bytes/token':>12}{'ratio':>7}{'peak blocks':>12}"
         )
         for r in (r for r in rows if r.model == model):
             first = "-" if r.first_difference is None else str(r.first_difference)
+            (low, high), (gap_low, gap_high) = r.perplexity_interval, r.gap_interval
             lines.append(
-                f"  {r.cache:<18}{r.perplexity:>11.2f}{r.agreement:>8.3f}{first:>11}"
-                f"{r.bytes_per_token:>13.1f}{r.bytes_ratio:>7.3f}{r.peak_blocks:>13}"
+                f"  {r.cache:<14}{r.perplexity:>11.2f}{f'{low:.2f}..{high:.2f}':>18}"
+                f"{f'{gap_low:+.2f}..{gap_high:+.2f}':>18}{r.agreement:>7.3f}{first:>14}"
+                f"{r.forced_agreement:>7.3f}{r.bytes_per_token:>12.1f}{r.bytes_ratio:>7.3f}"
+                f"{r.peak_blocks:>12}"
             )
     return "\n".join(lines)
 
