@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.distributed.expert_parallel import ExpertLoad, TrafficCounters, attach
 from engine.distributed.placement import ExpertPlacement, initial_placement
 from engine.models.base import CausalLM
-from engine.models.loader import iterate_weights
+from engine.models.loader import model_weights
 from engine.stats import EngineStats
 
 
@@ -65,7 +65,7 @@ class RankExperts:
         experts' weights from the checkpoint, and count slot loads afresh."""
         self.placement = placement
         self.model.place_experts(placement.local_experts(self.rank))
-        names = iterate_weights(Path(self.config.model), self.model.wants_weight)
+        names = model_weights(Path(self.config.model), self.model, self.model.wants_weight)
         with torch.no_grad():
             self.model.load_weights(names, only_experts=True)
         traffic = self.traffic

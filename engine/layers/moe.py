@@ -78,12 +78,17 @@ class Experts(nn.Module):
         start = 0
         for s, n in enumerate(counts.tolist()):  # each slot: one contiguous slice
             if n:
-                h = self.act(rows[start : start + n] @ self.gate_up_proj[s].T)
-                out[start : start + n] = h @ self.down_proj[s].T
+                h = self.act(self.project(rows[start : start + n], "gate_up_proj", s))
+                out[start : start + n] = self.project(h, "down_proj", s)
             start += n
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted
+
+    def project(self, x: torch.Tensor, stacked: str, slot: int) -> torch.Tensor:
+        """x through one slot's gate_up_proj or down_proj (quantized experts, in
+        layers/quantization/, read their own format here)."""
+        return x @ self.get_parameter(stacked)[slot].T
 
     def place(self, slot_experts: list[int]) -> None:
         """Hold these logical experts' slots instead (weights to be loaded)."""

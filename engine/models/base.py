@@ -15,6 +15,7 @@ from torch import nn
 if TYPE_CHECKING:
     from engine.kv.kv_cache import CachedLayer
     from engine.layers.moe import Experts
+    from engine.layers.quantization.fp8_loading import Fp8Layers
 
 
 class CausalLM(nn.Module):
@@ -25,8 +26,18 @@ class CausalLM(nn.Module):
     # with each sequence's real length as its context (DeepSeek-V4).
     reads_block_holes: ClassVar[bool] = False
 
+    # Linear layers the model reads by their weight rather than by calling them
+    # (MLA's kv_b_proj): an FP8 checkpoint's copy is dequantized at load.
+    plain_linears: ClassVar[tuple[str, ...]] = ()
+    fp8: Fp8Layers | None = None  # its FP8 layers and their format, set at load
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def weight_target(self, name: str) -> str:
+        """The parameter a checkpoint tensor fills (a fused or stacked one may take
+        several tensors): what loading a quantized checkpoint asks of the model."""
+        return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

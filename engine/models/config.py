@@ -9,6 +9,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.layers.quantization.fp8_format import Fp8Format, fp8_format
 from engine.models.deepseek_v4_config import HASH_MOE, V4_ARCHITECTURE, V4Config, parse_v4
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class ModelConfig:
     num_mtp_layers: int = 0  # multi-token prediction modules stored after the layers
     dsa: DSAConfig | None = None  # DeepSeek-V3.2 only
     v4: V4Config | None = None  # DeepSeek-V4 only (engine/models/deepseek_v4_config.py)
+    fp8: Fp8Format | None = None  # block-scaled FP8 weights (quantization_config)
 
     def routed_experts(self) -> RoutedExperts | None:
         """The routed experts' layout; None for a model without them."""
@@ -153,6 +155,7 @@ class ModelConfig:
             if deepseek and dsa is None
             else 0,
             dsa=dsa,
+            fp8=fp8_format(raw),
         )
 
     @classmethod

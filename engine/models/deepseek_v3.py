@@ -195,6 +195,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     supports_cuda_graphs = False
     supports_compile = True
     model_class: ClassVar[type[DeepseekV3Model]] = DeepseekV3Model
+    plain_linears = ("kv_b_proj",)  # MLA absorbs its weight into queries and outputs
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -299,14 +300,18 @@ class DeepseekV3ForCausalLM(CausalLM):
         check_complete(sorted(n for n, p in params.items() if filled[n] != p.numel()))
         self._check_shared(shared)
 
+    def weight_target(self, name: str) -> str:
+        target, expert = self._expert(name)
+        return target if expert is not None else self._target(name)[0]
+
     def _expert(self, name: str) -> tuple[str, tuple[int, str] | None]:
         """For one routed expert's matrix: our stacked parameter, and (expert, proj)."""
         name = self._renamed(name)
-        expert = re.search(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        expert = re.search(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?$", name)
         if not expert:
             return name, None
         proj = expert[2]
-        stacked = "down_proj" if proj == "down" else "gate_up_proj"
+        stacked = ("down_proj" if proj == "down" else "gate_up_proj") + (expert[3] or "")
         return f"{name[: expert.start()]}.experts.{stacked}", (int(expert[1]), proj)
 
     def _load_expert(self, target: str, expert: tuple[int, str], tensor: torch.Tensor) -> int:
@@ -332,7 +337,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     def _target(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """Our parameter for a checkpoint tensor, and the part of it the tensor fills."""
         name = self._renamed(name)
-        mlp = re.search(r"\.(gate|up)_proj\.weight$", name)
+        mlp = re.search(r"\.(gate|up)_proj\.weight(_scale_inv)?$", name)
         if mlp:  # a dense MLP's or the shared experts': half of the fused gate_up_proj
             proj = mlp[1]
             return name.replace(f".{proj}_proj.", ".gate_up_proj."), lambda p: _half(p, proj)

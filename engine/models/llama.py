@@ -133,6 +133,16 @@ class LlamaForCausalLM(CausalLM):
             return [attn.q_size, attn.kv_size, attn.kv_size]
         return [self.config.intermediate_size] * 2
 
+    def weight_target(self, name: str) -> str:
+        return self._fused(name)[0]
+
+    def _fused(self, name: str) -> tuple[str, int | None]:
+        """Our parameter for a checkpoint tensor, and its slice's index if fused."""
+        for part, (fused, index) in PACKED_MODULES.items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), index
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in, splitting nothing and missing nothing."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -147,11 +157,7 @@ class LlamaForCausalLM(CausalLM):
         for name, tensor in weights:
             if never_loaded(name, self.config.tie_word_embeddings):
                 continue
-            target, shard = name, None
-            for part, (fused, index) in PACKED_MODULES.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), index
-                    break
+            target, shard = self._fused(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
             param = params[target]

@@ -15,6 +15,12 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.layers.quantization.fp8_loading import (
+    Fp8Layers,
+    fp8_weight_names,
+    fp8_weights,
+    quantize_modules,
+)
 from engine.models.base import CausalLM
 from engine.models.registry import build_model
 
@@ -78,13 +84,36 @@ def load_model(config: EngineConfig, local_experts: list[list[int]] | None = Non
             model = build_model(config.hf_config)
     finally:
         torch.set_default_dtype(previous)
+    path = Path(config.model)
+    fp8 = config.hf_config.fp8
+    if fp8 is not None:  # FP8 layers take their checkpoint's format before loading
+        names = quantize_modules(
+            model, fp8_weight_names(path), model.weight_target, model.plain_linears
+        )
+        model.fp8 = Fp8Layers(fp8, frozenset(names))
     wanted = None
     if local_experts is not None:
         model.place_experts(local_experts)
         wanted = model.wants_weight
     with torch.no_grad():
-        model.load_weights(iterate_weights(Path(config.model), wanted))
+        model.load_weights(model_weights(path, model, wanted))
     return model.eval().requires_grad_(False)
+
+
+def model_weights(
+    path: Path, model: CausalLM, wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """iterate_weights, with an FP8 checkpoint's scales checked and paired with
+    their weights (layers/quantization/fp8_loading.py) for the model's FP8 layers."""
+    weights = iterate_weights(path, wanted)
+    fp8 = model.fp8
+    if fp8 is None:
+        return weights
+
+    def keeps(name: str) -> bool:
+        return model.weight_target(name).rsplit(".", 1)[0] in fp8.names
+
+    return fp8_weights(weights, fp8.format, keeps)
 
 
 def load_tokenizer(path: Path) -> Tokenizer | None:

@@ -194,9 +194,15 @@ def add_mtp_weights(model: torch.nn.Module, path: Path) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
-def build_checkpoint(arch: str, path: Path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
+def build_checkpoint(
+    arch: str, path: Path, seed: int = 0, config_overrides: dict | None = None, **save_kwargs
+) -> torch.nn.Module:
+    """``config_overrides``: config fields set after hf_config's (wider shapes)."""
     torch.manual_seed(seed)
-    model = hf_model_class(arch)(hf_config(arch)).eval()
+    config = hf_config(arch)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    model = hf_model_class(arch)(config).eval()
     if arch.startswith("deepseek"):  # transformers zeroes the routing biases; make them count
         with torch.no_grad():
             for layer in model.model.layers[1:]:

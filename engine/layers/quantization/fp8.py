@@ -1,0 +1,102 @@
+"""A linear layer that keeps DeepSeek's FP8 weights and their block scales.
+
+A checkpoint stores W as FP8 e4m3 values Q and one float32 scale S per 128 x 128
+block: W[i, j] = Q[i, j] * S[i // 128, j // 128], the product taken in float32,
+as DeepSeek's own weight_dequant computes it (deepseek-ai/DeepSeek-V3,
+inference/kernel.py). A weight whose rows or columns are not a multiple of 128
+ends in a partial block, which has a scale of its own all the same.
+
+The engine keeps Q and the scales, a byte a weight, and multiplies by
+dequantizing one tile of rows at a time into the activations' dtype: the whole
+matrix is never in full precision at once. The scales are kept one row per
+weight row (each block's scale repeated down its rows), so that fused layers
+(q, k and v in one matrix) can stack checkpoint tensors whose row counts are not
+multiples of 128; that costs 4 bytes per 128 weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.quantization.fp8_format import BLOCK
+from engine.utils import cdiv
+
+FP8 = torch.float8_e4m3fn
+TILE_BYTES = 1 << 18  # a dequantized tile of rows: about a core's L2 share
+
+
+def dequantize(q: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W = Q * S in float32, then rounded to ``dtype``: Q [rows, cols] FP8, row_scales
+    [rows, ceil(cols / 128)] float32, a partial last column block included."""
+    rows, cols = q.shape
+    full = cols // BLOCK * BLOCK
+    out = torch.empty(rows, cols, dtype=torch.float32, device=q.device).copy_(q)  # exact
+    if full:
+        out[:, :full].view(rows, full // BLOCK, BLOCK).mul_(row_scales[:, : full // BLOCK, None])
+    if full < cols:
+        out[:, full:].mul_(row_scales[:, -1:])
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [tokens, cols] times the dequantized weight, transposed, plus bias: one
+    tile of rows dequantized at a time, so the full-precision copy never exists."""
+    rows, cols = q.shape
+    tile = max(1, TILE_BYTES // (4 * cols))
+    if tile >= rows:
+        return F.linear(x, dequantize(q, row_scales, x.dtype), bias)
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
+    for start in range(0, rows, tile):
+        end = min(rows, start + tile)
+        w = dequantize(q[start:end], row_scales[start:end], x.dtype)
+        part = None if bias is None else bias[start:end]
+        out[:, start:end] = F.linear(x, w, part)
+    return out
+
+
+@torch.library.custom_op("deepinfer::fp8_linear", mutates_args=())
+def fp8_linear_op(
+    x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp8_linear, opaque to torch.compile: its tile loop is sized on the host."""
+    return fp8_linear(x, q, row_scales, bias)
+
+
+@fp8_linear_op.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+class Fp8Linear(nn.Module):
+    """nn.Linear's forward from FP8 weights and their block scales (module doc)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        weight = torch.empty(out_features, in_features, dtype=FP8)
+        scales = torch.empty(out_features, cdiv(in_features, BLOCK), dtype=torch.float32)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)  # DeepSeek's name
+        self.bias = bias
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear) -> Fp8Linear:
+        return cls(linear.in_features, linear.out_features, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.deepinfer.fp8_linear(flat, self.weight, self.weight_scale_inv, self.bias)
+        else:
+            y = fp8_linear(flat, self.weight, self.weight_scale_inv, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def expand_block_scales(scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's [ceil(rows / 128), ceil(cols / 128)] block scales as one row
+    of scales per weight row."""
+    return scales.repeat_interleave(BLOCK, dim=0)[:rows].contiguous()
