@@ -1,6 +1,7 @@
 """`deepinfer serve MODEL`: an OpenAI-compatible HTTP server over one engine.
 
     POST /v1/completions, /v1/chat/completions   (stream: true for server-sent events)
+    POST /v1/responses                           (OpenAI's Responses API, text; responses.py)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
     POST /tokenize, /detokenize; GET /tokenizer_info   (vLLM's, tokenize_api.py)
 
@@ -41,6 +42,8 @@ from engine.entrypoints.protocol import (
     ModelList,
 )
 from engine.entrypoints.read_timeouts import BodyTimeout, with_head_timeout
+from engine.entrypoints.responses import Response as ResponseObject
+from engine.entrypoints.responses import Responses, ResponsesRequest
 from engine.entrypoints.serving import OpenAIServing
 from engine.entrypoints.tokenize_api import tokenize_routes
 
@@ -95,6 +98,12 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await until_disconnect(request, serving.chat(body, request_id(request)))
+
+    responses = Responses(serving)
+
+    @app.post("/v1/responses", response_model=ResponseObject)
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await until_disconnect(request, responses.create(body, request_id(request)))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

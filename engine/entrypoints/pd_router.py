@@ -326,11 +326,36 @@ def build_pd_router(config: PDRouterConfig) -> FastAPI:
         router.metrics.plain.inc()  # a chat reply is served whole by one decode worker
         return await router.whole(json.loads(await request.body()), "/v1/chat/completions")
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        router.metrics.plain.inc()  # as a chat: served whole by one decode worker
+        return await router.whole(json.loads(await request.body()), "/v1/responses")
+
+    # vLLM's tokenizer endpoints (tokenize_api.py): any decode worker answers.
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.whole(json.loads(await request.body()), "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.whole(json.loads(await request.body()), "/detokenize")
+
     @app.get("/v1/models")
     async def models() -> Response:
+        return await first_decoder_get("/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return await first_decoder_get(f"/v1/models/{model_id}")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return await first_decoder_get("/tokenizer_info")
+
+    async def first_decoder_get(path: str) -> Response:
         for worker in router.decoders(set()):
             with contextlib.suppress(httpx.HTTPError):
-                reply = await router.client.get(worker.url + "/v1/models", timeout=10.0)
+                reply = await router.client.get(worker.url + path, timeout=10.0)
                 return Response(reply.content, reply.status_code, media_type="application/json")
         raise OpenAIError(503, "no decode worker is available")
 

@@ -132,7 +132,9 @@ class Tokens:
                     prompt = prompt[0]  # a batch: its first prompt chooses
             if isinstance(prompt, list):
                 return [int(t) for t in prompt]
-            return self.tokenizer.encode(prompt[: self.max_chars]).ids
+            # As the worker encodes it: a chat's template writes its own special tokens.
+            chat = path.endswith("/chat/completions")
+            return self.tokenizer.encode(prompt[: self.max_chars], add_special_tokens=not chat).ids
         except Exception:
             return None
 
@@ -266,6 +268,20 @@ class Router:
             self.mark(worker, False)
 
 
+# What the router passes to a worker, as it came: the workers' OpenAI and vLLM
+# endpoints. Any worker answers /v1/models and the tokenizer's as another would.
+FORWARDED = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model_id:path}"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/tokenizer_info"),
+]
+
+
 def build_router(config: RouterConfig) -> FastAPI:
     router = Router(config)
 
@@ -291,17 +307,8 @@ def build_router(config: RouterConfig) -> FastAPI:
         logger.exception("%s %s failed", request.method, request.url.path)
         return OpenAIError(500, f"the router failed: {type(err).__name__}").response()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await router.forward(request)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await router.forward(request)
+    for method, path in FORWARDED:
+        app.add_api_route(path, router.forward, methods=[method], name=path)
 
     @app.get("/health")
     async def health() -> Response:

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.server.conftest import TINY, metric, running, spawn, stop
+from tests.server.test_router_endpoints import GETS, same_answers
 
 WORKER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "512", "--no-compile-decode")
 MODEL = "deepinfer-tiny"
@@ -120,6 +121,11 @@ def test_chat_and_models_are_served_whole(cluster) -> None:
     ]
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
     assert [m.id for m in client(router.url).models.list()] == [MODEL]
+
+
+def test_responses_and_the_tokenizer_routes_are_passed_on(cluster) -> None:
+    plain, _, _, router = cluster
+    same_answers(plain.url, router.url, GETS)
 
 
 def test_a_prefix_one_worker_computed_is_a_store_hit_on_another(cluster) -> None:
