@@ -1,3 +1,3 @@
-"""The models: the architectures (llama.py, deepseek_v3.py) and what they share
-(base.py), the checkpoint's config (config.py), which class serves which
-architecture (registry.py) and how weights are loaded (loader.py)."""
+"""The models: one module for each architecture the engine serves and what they
+share, the checkpoint's config, which class serves which architecture (the
+registry, whose SUPPORTED_ARCHITECTURES lists them) and how weights are loaded."""
