@@ -60,7 +60,7 @@ $(VENV)/.all: pyproject.toml $(VENV)/.docs
 	touch $@
 
 serve: $(VENV)/.docs $(PYODIDE)
-	$(BIN)/mkdocs serve -a 127.0.0.1:8000
+	SITE_URL=http://127.0.0.1:8000/ $(BIN)/mkdocs serve -a 127.0.0.1:8000
 
 build: $(VENV)/.docs $(PYODIDE)
 	$(BIN)/mkdocs build --strict

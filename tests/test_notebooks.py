@@ -249,3 +249,36 @@ def test_experiments_page_links_each_run_and_notebook(site) -> None:
         names = listing.find_all(lambda e: "filename" in e.classes)
         assert [n.text() for n in names] == [rel]
         assert (notebooks[chapter], "") in hrefs, (rel, hrefs)
+
+
+def test_recorded_outputs_start_folded() -> None:
+    """A reader meets the Predict box before the answer: every code cell's recorded
+    output is folded (JupyterLab's outputs_hidden, classic Notebook's collapsed)."""
+    for chapter in CHAPTERS:
+        for cell in code_cells(hook.notebook(chapter, SITE_URL)):
+            assert cell.metadata["jupyter"]["outputs_hidden"] is True, cell.metadata["snippet"]
+            assert cell.metadata["collapsed"] is True, cell.metadata["snippet"]
+
+
+def test_each_demo_says_it_needs_a_checkouts_engine() -> None:
+    for chapter in CHAPTERS:
+        cells = hook.notebook(chapter, SITE_URL).cells
+        for before, cell in zip(cells, cells[1:]):
+            if cell.cell_type == "code" and "/demo_" in cell.metadata["snippet"]:
+                assert skipped(cell) and "Needs a checkout's engine" in before.source, (
+                    cell.metadata["snippet"]
+                )
+
+
+def test_a_build_without_site_url_links_the_published_site() -> None:
+    """mkdocs.yml's default site_url, which canonical links, the sitemap and every
+    notebook link start from, is where the default repository publishes, never a
+    loopback address (a downloaded notebook's links went to 127.0.0.1:8000)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    site = re.search(r'^site_url: !ENV \[SITE_URL, "([^"]+)"\]', config, re.M)[1]
+    repo = re.search(r'^repo_url: !ENV \[REPO_URL, "([^"]+)"\]', config, re.M)[1]
+    owner, name = urlparse(repo).path.strip("/").split("/")
+    assert site == f"https://{owner}.github.io/{name}/"
+    text = hook.notebook_text(CHAPTERS[0], site)
+    assert "127.0.0.1" not in text and "localhost" not in text
+    assert f"{site}{Path(CHAPTERS[0].page).stem}/" in text

@@ -217,9 +217,14 @@ def experiment_markdown(lines: list[str], number: int, ctx: dict) -> str:
     return "\n".join([f"## {HEADING.match(lines[start])['title']}", "", *text])
 
 
+# A code cell's recorded output starts folded, as the page folds it under its Predict
+# box: JupyterLab and Notebook 7 read jupyter.outputs_hidden, classic Notebook collapsed.
+FOLDED = {"jupyter": {"outputs_hidden": True}, "collapsed": True}
+
+
 def _code_cell(rel: str, cell_id: str, root: Path, tags: list[str]) -> nbformat.NotebookNode:
     out = (root / rel).with_suffix(".out").read_text()
-    metadata = {"snippet": rel, **({"tags": tags} if tags else {})}
+    metadata = {"snippet": rel, **FOLDED, **({"tags": tags} if tags else {})}
     cell = new_code_cell(
         (root / rel).read_text(),
         outputs=[new_output("stream", name="stdout", text=out)],
@@ -242,9 +247,10 @@ def _intro(chapter: Chapter, ctx: dict) -> str:
             "",
             f"The experiments of [this chapter]({ctx['page_url']}) of *Inside DeepInfer*, made"
             " from the book's sources when its site was built. Each code cell is an"
-            " experiment's file, unchanged, and the output under it is the one the book"
-            " records: run a cell, and it prints the same. The experiments need only"
-            " Python's standard library, unless a cell says otherwise.",
+            " experiment's file, unchanged, and the output under it, folded until you"
+            " unfold it, is the one the book records: answer the Predict box first, then"
+            " run the cell, and it prints the same. The experiments need only Python's"
+            " standard library, unless a cell says otherwise.",
         ]
     )
 
@@ -301,7 +307,11 @@ def _demo_cells(chapter: Chapter, entries: dict, root: Path) -> list[nbformat.No
     for rel in chapter.demos:
         stem = Path(rel).stem
         doc = (ast.get_docstring(ast.parse((root / rel).read_text())) or "").split("\n")[0]
-        text = f"### `{rel}`\n\n{doc}\n\n`{entries[rel]['command']}`"
+        text = (
+            f"### `{rel}`\n\n{doc}\n\nNeeds a checkout's engine: it does not run in this"
+            f" notebook. From the root of a clone, with the engine installed, run"
+            f" `{entries[rel]['command']}`; the cell shows the output the book records."
+        )
         cells.append(_markdown_cell(text, f"{stem}-text"))
         cells.append(_code_cell(rel, stem, root, [SKIP]))
     return cells
