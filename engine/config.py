@@ -92,6 +92,10 @@ class EngineConfig:
     # A server's part in prefill/decode disaggregation: "prefill" runs prompts and
     # hands them on through the store, "decode" continues them, "both" does all.
     role: str = "both"
+    # Weight-only quantization at load, vLLM's names: "int8" (a scale per output
+    # row) or "int4" (a scale per 128 inputs), engine/layers/quantization/. None:
+    # the checkpoint's own format (DeepSeek's FP8 is read as it is stored).
+    quantization: str | None = None
     hf_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +137,7 @@ class EngineConfig:
         self._check_kv_window()
         self._check_kv_store()
         self._check_deepseek_v4()
+        self._check_quantization()
 
     def _check_kv_cache_dtype(self) -> None:
         """What a quantized KV cache cannot run on yet."""
@@ -150,6 +155,21 @@ class EngineConfig:
                 "attention_backend 'torch' or 'cpu': the Triton MLA decode kernel reads "
                 "only an unquantized latent"
             )
+
+    def _check_quantization(self) -> None:
+        if self.quantization is None:
+            return
+        if self.quantization not in ("int8", "int4"):
+            raise ValueError(f"quantization must be 'int8' or 'int4', got {self.quantization!r}")
+        refused = {
+            "its checkpoint is already FP8": self.hf_config.fp8 is not None,
+            "the device is not a CPU": self.device != "cpu",
+            "expert_parallel_size > 1": self.expert_parallel_size > 1,
+            "batch_invariant=True": self.batch_invariant,
+        }
+        for reason, applies in refused.items():
+            if applies:
+                raise ValueError(f"quantization={self.quantization!r} is refused: {reason}")
 
     def _check_batch_invariant(self) -> None:
         """What batch-invariant mode cannot run on yet."""

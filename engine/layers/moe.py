@@ -72,7 +72,7 @@ class Experts(nn.Module):
         """Row i through the expert in slot slots[i]; outputs in the rows' order."""
         # Sort the rows by slot; a stable sort keeps token order within a slot.
         order = slots.argsort(stable=True)
-        counts = torch.bincount(slots, minlength=len(self.gate_up_proj))
+        counts = torch.bincount(slots, minlength=len(self.slot_experts))
         rows = rows[order]
         out = torch.empty_like(rows)
         start = 0

@@ -5,6 +5,7 @@ fetched from a hub: the folder must hold everything."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,8 +22,11 @@ from engine.layers.quantization.fp8_loading import (
     fp8_weights,
     quantize_modules,
 )
+from engine.layers.quantization.int_linear import quantize_weights
 from engine.models.base import CausalLM
 from engine.models.registry import build_model
+
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -97,6 +101,10 @@ def load_model(config: EngineConfig, local_experts: list[list[int]] | None = Non
         wanted = model.wants_weight
     with torch.no_grad():
         model.load_weights(model_weights(path, model, wanted))
+        if config.quantization is not None:
+            left = quantize_weights(model, config.quantization, config.dtype, model.plain_linears)
+            if left:
+                logger.info("%s leaves these layers unquantized: %s", config.quantization, left)
     return model.eval().requires_grad_(False)
 
 

@@ -48,6 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         compile_decode=args.compile_decode,
         compile_mode=args.compile_mode,
@@ -84,6 +85,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,
@@ -248,6 +250,7 @@ def _bench(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
             compile_decode=args.compile_decode,
             compile_mode=args.compile_mode,
             max_num_seqs=max(args.num_prompts, 1),
@@ -343,6 +346,16 @@ def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_quantization(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        default=None,
+        help="weight-only quantization at load, on a CPU: int8 (a scale per output "
+        "row) or int4 (a scale per 128 inputs); default: the checkpoint's own format",
+    )
+
+
 def _add_compile(parser: argparse.ArgumentParser, default: bool | None) -> None:
     from engine.config import COMPILE_MODES
 
@@ -400,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None)
     _add_dtype(gen)
     _add_kv_cache_dtype(gen)
+    _add_quantization(gen)
     _add_compile(gen, default=False)
     gen.add_argument("--max-model-len", type=int, default=None)
     _add_speculative(gen)
@@ -440,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None)
     _add_dtype(serve)
     _add_kv_cache_dtype(serve)
+    _add_quantization(serve)
     _add_compile(serve, default=None)  # a server runs long enough to repay it
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
@@ -569,6 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default=None, help="both sides' dtype; default: the engine's")
     _add_kv_cache_dtype(bench)
+    _add_quantization(bench)
     _add_compile(bench, default=False)
     bench.add_argument(
         "--kv-baseline",

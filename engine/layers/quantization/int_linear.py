@@ -1,0 +1,134 @@
+"""Linear layers and routed experts from int8 or int4 weights (int_weight.py),
+made at load from a model's full-precision layers, which are freed one by one."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.moe import Experts
+from engine.layers.quantization.int_weight import (
+    int4_group,
+    int4_linear,
+    int4_pack,
+    int4_quantize,
+    int8_linear,
+    int8_quantize,
+)
+
+
+def frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear's forward from int8 weights, one scale per output row."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales = int8_quantize(linear.weight.detach(), linear.weight.dtype)
+        self.weight, self.weight_scale = frozen(q), frozen(scales)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """nn.Linear's forward from int4 weights, one scale per group of a row."""
+
+    def __init__(self, linear: nn.Linear, group: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        dtype = linear.weight.dtype
+        q, scales = int4_quantize(linear.weight.detach(), group, dtype)
+        packed, table = int4_pack(q, scales, dtype)
+        self.weight, self.weight_scales_zeros = frozen(packed), frozen(table)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int4_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scales_zeros)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def int4_fits(rows: int, cols: int) -> bool:
+    """torch's int4 layout needs rows in sixteens and a group dividing each row."""
+    return rows % 16 == 0 and int4_group(cols) is not None
+
+
+class IntExperts(Experts):
+    """Routed experts with every slot's matrices in int8 or int4: one quantized
+    linear layer per slot and matrix, run as the dense layers are."""
+
+    @classmethod
+    def replacing(cls, experts: Experts, method: str) -> IntExperts:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.num_experts, new.slot_experts = experts.num_experts, experts.slot_experts
+        new.act, new.token_counts, new.index = experts.act, experts.token_counts, experts.index
+        for name in ("gate_up_proj", "down_proj"):
+            stacked = getattr(experts, name)
+            layers = nn.ModuleList(quantized(dense(w), method) for w in stacked.detach())
+            setattr(new, f"{name}_q", layers)
+        new.slots = len(experts.slot_experts)
+        return new
+
+    def project(self, x: torch.Tensor, stacked: str, slot: int) -> torch.Tensor:
+        return self.get_submodule(f"{stacked}_q")[slot](x)
+
+    def place(self, slot_experts: list[int]) -> None:
+        raise ValueError("quantization int8/int4 does not combine with expert parallelism yet")
+
+
+def dense(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear holding ``weight`` (no copy), to quantize as any other."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return layer
+
+
+def quantized(linear: nn.Linear, method: str) -> nn.Module:
+    if method == "int8":
+        return Int8Linear(linear)
+    return Int4Linear(linear, int4_group(linear.in_features))
+
+
+def quantize_weights(
+    model: nn.Module, method: str, dtype: torch.dtype, plain: tuple[str, ...] = ()
+) -> list[str]:
+    """Replace the model's linear layers and routed experts by int8 or int4 ones,
+    each freed as soon as its copy is made. Left as they are: the output head (as
+    vLLM leaves it), layers another shares a weight with, ``plain`` ones (read by
+    weight), layers in another dtype than the model's, and, for int4, layers
+    whose shape torch's layout cannot hold. Returns the names of the last."""
+    shared = {id(p) for p in _shared(model)}
+    misfits = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}".lstrip(".")
+            if type(child) is Experts:
+                shapes = [w.shape[1:] for w in (child.gate_up_proj, child.down_proj)]
+                if method == "int4" and not all(int4_fits(*s) for s in shapes):
+                    misfits.append(full)
+                    continue
+                setattr(parent, name, IntExperts.replacing(child, method))
+            elif type(child) is nn.Linear:
+                w = child.weight
+                if name in ("lm_head", *plain) or id(w) in shared or w.dtype != dtype:
+                    continue
+                if method == "int4" and not int4_fits(*w.shape):
+                    misfits.append(full)
+                    continue
+                setattr(parent, name, quantized(child, method))
+    return misfits
+
+
+def _shared(model: nn.Module) -> list[torch.Tensor]:
+    seen: dict[int, list] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen.setdefault(id(p), []).append(p)
+    return [ps[0] for ps in seen.values() if len(ps) > 1]

@@ -1,0 +1,70 @@
+"""Weight-only int8 and int4, symmetric, quantized at load (vLLM's names).
+
+int8: one scale per output row, the row's largest magnitude over 127; each
+weight is round(w / scale), in -127..127. int4: one scale per group of 128 input
+columns of a row (64 or 32 where the row is shorter), the group's largest
+magnitude over 7; each weight is round(w / scale), in -7..7, stored two to a
+byte. Either way w is read back as q times its scale. The activations stay in
+the model's dtype, and torch's own CPU kernels multiply from the packed bytes:
+aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu (the latter reads
+(q + 8) - 8 times the scale, plus a zero point, which is 0 here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT4_GROUP = 128
+INT4_GROUPS = (128, 64, 32)  # the first that divides a row's length is its group
+
+
+def int8_quantize(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [rows, cols], scales [rows] in ``dtype``, the activations'): q * scale ~ w,
+    each q rounded against the scale as stored."""
+    amax = w.float().abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype).float()
+    q = torch.round(w.float() / scales[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8), scales.to(dtype)
+
+
+def int4_group(cols: int) -> int | None:
+    """The group length of a row of ``cols`` weights; None if none divides it."""
+    return next((g for g in INT4_GROUPS if cols % g == 0), None)
+
+
+def int4_quantize(
+    w: torch.Tensor, group: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 in -7..7 [rows, cols], scales [rows, cols / group] in ``dtype``)."""
+    rows, cols = w.shape
+    groups = w.float().view(rows, cols // group, group)
+    amax = groups.abs().amax(dim=2)
+    scales = torch.where(amax > 0, amax / 7, torch.ones_like(amax)).to(dtype).float()
+    q = torch.round(groups / scales[..., None]).clamp_(-7, 7)
+    return q.view(rows, cols).to(torch.int8), scales.to(dtype)
+
+
+def int8_dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+def int4_dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // scales.shape[1]
+    return q.float() * scales.float().repeat_interleave(group, dim=1)
+
+
+def int4_pack(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+    """torch's CPU int4 layout: the codes q + 8 two to a byte, and a [groups, rows, 2]
+    table of (scale, zero point 0) in the activations' dtype."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32), 1)
+    table = torch.stack([scales.T, torch.zeros_like(scales.T)], dim=2)
+    return packed, table.to(dtype).contiguous()
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, q, scales)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    group = 2 * packed.shape[1] // table.shape[0]
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, table)

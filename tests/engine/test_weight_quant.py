@@ -1,0 +1,167 @@
+"""Weight-only int8 and int4, quantized at load (engine/layers/quantization/).
+
+Their greedy tokens are not the full-precision model's, so the tests hold each
+part to what it should compute: the quantize and dequantize arithmetic exactly,
+torch's packed kernels against float64 on fresh random inputs, and the whole
+model against transformers running the same dequantized weights unquantized
+(each checkpoint tensor quantized on its own: rows and row groups do not change
+when q, k and v are fused)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.layers.quantization.int_linear import IntExperts
+from engine.layers.quantization.int_weight import (
+    int4_dequantize,
+    int4_group,
+    int4_linear,
+    int4_pack,
+    int4_quantize,
+    int8_dequantize,
+    int8_linear,
+    int8_quantize,
+)
+from tests.engine.conftest import build_checkpoint, hf_greedy, hf_model_class, random_prompts
+
+LEVELS = {"int8": 127, "int4": 7}
+
+
+def quantize(method: str, w: torch.Tensor, dtype=torch.float32):
+    if method == "int8":
+        return int8_quantize(w, dtype)
+    return int4_quantize(w, int4_group(w.shape[1]), dtype)
+
+
+def dequantize(method: str, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (int8_dequantize if method == "int8" else int4_dequantize)(q, scales)
+
+
+@pytest.mark.parametrize("method", LEVELS)
+@pytest.mark.parametrize("shape", [(16, 32), (48, 160), (64, 384), (32, 1024)], ids=str)
+def test_quantize_rounds_to_the_nearest_level_of_its_scale(method, shape) -> None:
+    g = torch.Generator().manual_seed(torch.seed())
+    w = torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 3
+    w[1] = 0  # a zero row: scale 1, codes 0
+    q, scales = quantize(method, w)
+    levels = LEVELS[method]
+    group = shape[1] if method == "int8" else int4_group(shape[1])
+    s = scales.double().reshape(shape[0], -1).repeat_interleave(group, dim=1)
+    blocks = w.double().view(shape[0], -1, group)
+    amax = blocks.abs().amax(dim=2).repeat_interleave(group, dim=1)
+    expected_s = torch.where(amax > 0, (amax / levels).float().double(), torch.ones_like(amax))
+    assert torch.equal(s, expected_s)  # the group's largest magnitude over the top level
+    quotient = (w.float() / s.float()).double()  # float32's quotient, rounded half to even
+    assert torch.equal(q.double(), torch.round(quotient).clamp(-levels, levels))
+    assert q.abs().max() == levels and not q[1].any()
+    # float32's product: the exact one (8 + 24 bits fit a double) rounded once
+    assert torch.equal(dequantize(method, q, scales), (q.double() * s).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("shape", [(16, 64), (48, 160), (96, 384), (32, 1024)], ids=str)
+def test_int8_and_int4_kernels_match_float64(shape, tokens, dtype) -> None:
+    g = torch.Generator().manual_seed(torch.seed())
+    w = torch.randn(shape, generator=g)
+    x = torch.randn(tokens, shape[1], generator=g).to(dtype)
+    for method in LEVELS:
+        q, scales = quantize(method, w, dtype)
+        exact = x.double() @ dequantize(method, q, scales).double().T
+        if method == "int8":
+            y = int8_linear(x, q, scales)
+        else:
+            y = int4_linear(x, *int4_pack(q, scales, dtype))
+        bound = (x.double().abs() @ dequantize(method, q, scales).double().abs().T) * (
+            shape[1] * 2.0**-23 if dtype == torch.float32 else 2.0**-7
+        )
+        assert y.dtype == dtype and y.shape == (tokens, shape[0])
+        assert ((y.double() - exact).abs() <= bound + 1e-6).all(), method
+
+
+MAX_TOKENS = 12
+PROMPTS = random_prompts(4, seed=81)
+
+
+def quantized_reference(arch: str, path: Path, method: str) -> torch.nn.Module:
+    """transformers on the checkpoint's weights as the engine quantizes them:
+    every linear layer but the output head and MLA's kv_b_proj."""
+    tensors = load_file(path / "model.safetensors")
+    for name, w in tensors.items():
+        linear = name.endswith(("proj.weight", "_mqa.weight")) and "kv_b_proj" not in name
+        if linear and w.dim() == 2:
+            tensors[name] = dequantize(method, *quantize(method, w))
+    ref = path.parent / f"{path.name}-{method}"
+    ref.mkdir()
+    for file in path.glob("*.json"):
+        (ref / file.name).write_bytes(file.read_bytes())
+    save_file(tensors, ref / "model.safetensors", metadata={"format": "pt"})
+    return hf_model_class(arch).from_pretrained(ref, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "deepseek-yarn"])
+def plain(request, tmp_path_factory) -> tuple[str, Path]:
+    """Shapes that torch's int4 layout holds whole (rows in sixteens, rows of 32k)."""
+    path = tmp_path_factory.mktemp(request.param) / "model"
+    build_checkpoint(request.param, path)
+    return request.param, path
+
+
+@pytest.mark.parametrize("method", LEVELS)
+def test_greedy_tokens_match_the_dequantized_weights(plain, method) -> None:
+    arch, path = plain
+    reference = quantized_reference(arch, path, method)
+    expected = [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for config in ({}, {"max_num_batched_tokens": 16, "num_kv_blocks": 10}):
+        llm = LLM(path, dtype="float32", quantization=method, **config)
+        assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    model = llm.llm_engine.executor.model_runner.model
+    assert model.lm_head.weight.dtype == torch.float32
+    if arch == "deepseek-yarn":
+        assert all(isinstance(e, IntExperts) for e in model.experts())
+
+
+@pytest.mark.parametrize("method", LEVELS)
+def test_compiled_decode_takes_quantized_layers(tmp_path, method) -> None:
+    build_checkpoint("qwen3", tmp_path / "model")
+    reference = quantized_reference("qwen3", tmp_path / "model", method)
+    llm = LLM(tmp_path / "model", dtype="float32", quantization=method, compile_decode=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert tokens == [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_bad_quantization_is_refused_by_name(tmp_path) -> None:
+    build_checkpoint("llama", tmp_path / "model")
+    with pytest.raises(ValueError, match="quantization must be 'int8' or 'int4', got 'fp4'"):
+        LLM(tmp_path / "model", quantization="fp4")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'int8' is refused: its checkpoint is already FP8"):
+        LLM(tmp_path / "model", quantization="int8")
+
+
+def test_the_command_line_passes_quantization_on(tmp_path) -> None:
+    """--quantization on serve, generate and bench (vLLM's flag): serve's engine
+    config carries it, and generate's text is the LLM's with the same option."""
+    from engine.tools.cli import build_parser, serve_engine_config
+
+    build_checkpoint("qwen3", tmp_path / "model")
+    parse = build_parser().parse_args
+    model = str(tmp_path / "model")
+    assert serve_engine_config(parse(["serve", model, "--quantization", "int4"])).quantization == (
+        "int4"
+    )
+    assert serve_engine_config(parse(["serve", model])).quantization is None
+    for command in (["generate", "--model", model, "x"], ["bench", "--model", model]):
+        assert parse([*command, "--quantization", "int8"]).quantization == "int8"
+    with pytest.raises(SystemExit):
+        parse(["serve", model, "--quantization", "fp4"])
