@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 MAX_N = 16  # choices per request: each is one engine request
 
@@ -184,6 +184,23 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+# Chat fields OpenAI defines that the engine does not do: the values that mean
+# "not used", and why any other is refused.
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "store": ((False,), "nothing is stored"),
+    "modalities": ((["text"],), "the server writes text only"),
+    "verbosity": (("medium",), "there is no verbosity setting; the model writes as it does"),
+    "audio": ((), "the server writes text only"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "reasoning_effort": ((), "the models have no reasoning setting"),
+    "web_search_options": ((), "there is no web search"),
+    "functions": ((), "deprecated by OpenAI: use tools"),
+    "function_call": ((), "deprecated by OpenAI: use tool_choice"),
+    "moderation": ((), "there is no moderation"),
+    "prompt_cache_options": ((), "the prefix cache has no options per request"),
+}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = None
@@ -193,11 +210,38 @@ class ChatCompletionRequest(SamplingFields):
         "needs a tool-call parser",
     )
     parallel_tool_calls: bool | None = None  # with required: false allows one call
+    # OpenAI's, taken as hints that change nothing here: one service tier, nothing
+    # stored, a prefix cache keyed by the prompt itself, no moderation.
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # OpenAI's, refused beyond their neutral value (REFUSED says why).
+    store: bool | None = None
+    modalities: list[str] | None = None
+    verbosity: str | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    moderation: dict | str | None = None
+    prompt_cache_options: dict | None = None
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM's extension
+
+    @field_validator(*REFUSED)
+    @classmethod
+    def _refused(cls, value: object, info: ValidationInfo) -> object:
+        neutral, why = REFUSED[info.field_name]
+        if value is None or value in neutral:
+            return value
+        raise ValueError(f"{info.field_name} is not supported: {why}")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
