@@ -19,7 +19,7 @@ import os
 import warnings
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "fp8_linear.cpp")]
 
 
 def portable() -> bool:

@@ -9,12 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import csrc
 from engine.layers.quantization.fp8 import (
     FP8,
     dequantize,
     expand_block_scales,
     fp8_linear,
+    fp8_tiled_linear,
 )
+
+needs_csrc = pytest.mark.skipif(not csrc.load(), reason="no C++ compiler to build engine/csrc")
 
 BLOCK = 128
 
@@ -63,11 +67,23 @@ def test_a_zero_block_gives_zeros_whatever_its_scale() -> None:
     assert not w[128:, 256:].any() and w[:128].any()
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 17])
-@pytest.mark.parametrize("shape", [(160, 576), (700, 130), (2, 129)], ids=str)
-def test_linear_matches_float64(tokens, shape, monkeypatch) -> None:
-    """Within float32 rounding of the float64 product; with a small tile, the
-    row-tile loop (and a partial last tile) runs too."""
+def gemv(x, q, scales, bias):
+    return torch.ops.deepinfer.fp8_block_gemv(x, q, scales) + bias
+
+
+PATHS = {"gemv": gemv, "tiles": fp8_tiled_linear, "dispatch": fp8_linear}
+
+
+@pytest.mark.parametrize(
+    "path", [pytest.param("gemv", marks=needs_csrc), "tiles", "dispatch"], ids=str
+)
+@pytest.mark.parametrize("tokens", [1, 3, 9, 17])
+@pytest.mark.parametrize("shape", [(160, 576), (700, 130), (2, 129), (17, 15)], ids=str)
+def test_linear_matches_float64(tokens, shape, path, monkeypatch) -> None:
+    """Within float32 rounding of the float64 product, by the C++ operator (block
+    sums times scales; activation rows in passes of 8, a tail of columns short of
+    16), by tiles of dequantized rows (with a small tile, the row-tile loop and a
+    partial last tile run) and by the dispatch between them."""
     import engine.layers.quantization.fp8 as fp8
 
     monkeypatch.setattr(fp8, "TILE_BYTES", 4 * shape[1] * 7)  # 7 rows a tile
@@ -78,9 +94,24 @@ def test_linear_matches_float64(tokens, shape, monkeypatch) -> None:
     s[0, 0] = 0.0  # a zero scale: that block contributes nothing
     x = torch.randn(tokens, cols, generator=g)
     bias = torch.randn(rows, generator=g)
-    y = fp8_linear(x, q, expand_block_scales(s, rows), bias)
+    y = PATHS[path](x, q, expand_block_scales(s, rows), bias)
     w = reference_weight(q, s)
     expected = x.double() @ w.T + bias.double()
     bound = (x.double().abs() @ w.abs().T + bias.double().abs()) * cols * 2.0**-23
     assert y.dtype == torch.float32 and y.shape == (tokens, rows)
     assert ((y.double() - expected).abs() <= bound + 1e-30).all()
+
+
+@needs_csrc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_operator_decodes_every_code_exactly(dtype) -> None:
+    """Identity activations read each weight back: every finite E4M3 code, in a
+    row of 254 (a full block of 128, then 7 vectors of 16 and a tail of 14), times
+    a scale per block, exactly, and rounded once to bfloat16 for bfloat16 input."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    q = codes.view(FP8)[torch.randperm(254)].view(1, -1).repeat(16, 1)
+    scales = torch.tensor([[2.0**-3, 2.0**5]]).repeat(16, 1)
+    y = torch.ops.deepinfer.fp8_block_gemv(torch.eye(254, dtype=dtype), q, scales)
+    expected = reference_weight(q, scales[:1]).T.float().to(dtype)
+    assert y.dtype == dtype and torch.equal(y, expected)

@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import csrc
 from engine.layers.quantization.fp8_format import BLOCK
 from engine.utils import cdiv
 
 FP8 = torch.float8_e4m3fn
 TILE_BYTES = 1 << 18  # a dequantized tile of rows: about a core's L2 share
+GEMV_TOKENS = 16  # up to this many tokens, the C++ operator (engine/csrc/fp8_linear.cpp)
 
 
 def dequantize(q: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -43,8 +45,21 @@ def dequantize(q: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) ->
 def fp8_linear(
     x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [tokens, cols] times the dequantized weight, transposed, plus bias: one
-    tile of rows dequantized at a time, so the full-precision copy never exists."""
+    """x [tokens, cols] times the dequantized weight, transposed, plus bias. A few
+    tokens (a decode step) go through the C++ operator, which reads the FP8 bytes
+    and applies each block's scale to its 128 products' sum; more are computed by
+    dequantizing one tile of rows at a time for oneDNN's matmul, so that the
+    full-precision copy never exists. benchmarks/weight_linear.py times both."""
+    if x.shape[0] <= GEMV_TOKENS and x.device.type == "cpu" and csrc.load():
+        y = torch.ops.deepinfer.fp8_block_gemv(x, q, row_scales)
+        return y if bias is None else y + bias
+    return fp8_tiled_linear(x, q, row_scales, bias)
+
+
+def fp8_tiled_linear(
+    x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp8_linear by tiles of dequantized rows, whatever the number of tokens."""
     rows, cols = q.shape
     tile = max(1, TILE_BYTES // (4 * cols))
     if tile >= rows:
