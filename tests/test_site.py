@@ -339,6 +339,61 @@ def test_output_columns_on_a_phone(open_page, site) -> None:
     )
 
 
+# Whether any part of an element reaches past the screen's right edge, and the
+# widest line box of each excerpt's code (none may be wider than its block).
+PAST_THE_EDGE = """s => [...document.querySelectorAll(s)].map(e => {
+  const r = e.getBoundingClientRect();
+  return {right: r.right, wide: e.scrollWidth > e.clientWidth + 1, screen: innerWidth};
+})"""
+
+
+def test_code_and_the_experiments_fit_a_phone(open_page, site) -> None:
+    """On a phone an excerpt's lines wrap instead of scrolling sideways, the
+    experiments table fits the screen, and Appendix B's figure is drawn whole."""
+    page = open_page(PHONE)
+    problems = []
+    load(page, site.url + READ_FIRST["ch01"])
+    for block in page.evaluate(CODE_FIT):
+        if block["scrolls"]:
+            problems.append(f"ch01: {block['title']} scrolls sideways on a phone")
+    for url, selector in (
+        ("experiments/", ".experiments-table table"),
+        ("appendix-b-repository-map/", "figure:has(.mermaid)"),
+    ):
+        load(page, site.url + url)
+        for box in page.evaluate(PAST_THE_EDGE, selector):
+            if box["right"] > box["screen"] or box["wide"]:
+                problems.append(f"{url}: {selector} is wider than a {PHONE}-px screen: {box}")
+    assert not problems, "\n".join(problems)
+    assert_clean(page)
+
+
+RUN_AND_RECORDED_FONT = """() => {
+  const recorded = document.querySelector('details.output pre > code');
+  const panel = document.querySelector('.run-panel:not(.run-local)');
+  const run = document.createElement('pre');
+  run.className = 'run-output';
+  run.textContent = 'x';
+  panel.append(run);
+  const sizes = [recorded, run].map(e => getComputedStyle(e));
+  const found = sizes.map(c => [c.fontSize, c.fontFamily]);
+  run.remove();
+  return found;
+}"""
+
+
+@pytest.mark.parametrize("width", [PHONE, DESKTOP])
+def test_run_output_reads_as_recorded_output(open_page, site, width: int) -> None:
+    """A Run panel's output is shown in the font and size of the recorded output
+    it is compared with, so the same columns fit (a bigger one cut them)."""
+    page = open_page(width)
+    load(page, site.url + READ_FIRST["ch01"])
+    page.wait_for_selector(".run-panel:not(.run-local)")
+    recorded, run = page.evaluate(RUN_AND_RECORDED_FONT)
+    assert run == recorded
+    assert_clean(page)
+
+
 SHOTS = {  # what a reader sees first: the top, and the first of each kind of block
     "top": None,
     "excerpt": ".md-content .highlight:has(.filename)",

@@ -158,11 +158,11 @@ def _h1(page: Path) -> str:
 RUN_ICON, NOTEBOOK_ICON = ":material-play-circle-outline:", ":material-notebook-outline:"
 
 
-def _row(e: Experiment, page: Path | None) -> str:
-    needs = ", ".join(f"`{n}`" for n in e.needs) or "standard library"
+def _row(e: Experiment, page: Path | None, with_needs: bool) -> str:
+    needs = f" {', '.join(f'`{n}`' for n in e.needs) or 'standard library'} |" * with_needs
     command = f"`python {e.path}`"
     if page is None:
-        return f"| Experiment {e.number} | Chapter {e.chapter} | {e.title} | {needs} | {command} |"
+        return f"| Experiment {e.number} | Chapter {e.chapter} | {e.title} |{needs} {command} |"
     # Short, so the table fits a desktop column; the chapter's title shows on hover.
     chapter = f'[Chapter {e.chapter}]({page.name} "{_h1(page)}")'
     notebook = notebook_uri(page.name)
@@ -172,12 +172,14 @@ def _row(e: Experiment, page: Path | None) -> str:
     )
     where = "Run it in the page" if not e.needs else "Its listing, and what it needs"
     run = f'[{RUN_ICON}]({page.name}#{run_anchor(e.number)} "{where}")'
-    return f"| Experiment {e.number} | {chapter} | {e.title} | {needs} | {run} {command} |"
+    return f"| Experiment {e.number} | {chapter} | {e.title} |{needs} {run} {command} |"
 
 
 def experiments_markdown(experiments: list[Experiment], docs: Path) -> str:
     chapters = _chapter_pages(docs)
-    rows = [_row(e, chapters.get(e.chapter)) for e in experiments]
+    # A column that would say the same in every row is a sentence instead.
+    with_needs = any(e.needs for e in experiments)
+    rows = [_row(e, chapters.get(e.chapter), with_needs) for e in experiments]
     with_notebooks = sorted({e.chapter for e in experiments} & set(chapters))
     notebooks = [
         f"- [{_h1(chapters[c])}]({notebook_uri(chapters[c].name)})"
@@ -189,7 +191,9 @@ def experiments_markdown(experiments: list[Experiment], docs: Path) -> str:
             "# Experiments",
             "",
             "Every numbered experiment in the book, listed from `snippets/` when the site is",
-            "built. Run one from the repository's root with the Python you already have; it",
+            "built."
+            + ("" if with_needs else " Each runs on Python's standard library alone.")
+            + " Run one from the repository's root with the Python you already have; it",
             "prints exactly the output the book records beside it (`.out`). Or run it where",
             f"the book shows it: {RUN_ICON} goes to its listing on its chapter's page, where",
             "the Run button runs a standard-library experiment in your browser. Each",
@@ -198,14 +202,16 @@ def experiments_markdown(experiments: list[Experiment], docs: Path) -> str:
             "",
             '<div class="experiments-table" markdown>',
             "",
-            "| Experiment | Chapter | What it measures | Needs | Run it |",
-            "|---|---|---|---|---|",
+            "| Experiment | Chapter | What it measures |" + " Needs |" * with_needs + " Run it |",
+            "|---|---|---|" + "---|" * with_needs + "---|",
             *rows,
             "",
             "</div>",
             "",
             "/// table-caption",
-            "Every experiment, the chapter it belongs to, what it needs, and how to run it.",
+            "Every experiment, the chapter it belongs to,"
+            + " what it needs," * with_needs
+            + " and how to run it.",
             "///",
             "",
             "The notebooks, one per chapter:",
