@@ -159,3 +159,17 @@ lint: $(VENV)/.all
 
 clean:
 	rm -rf site build test-artifacts .pytest_cache mutants
+
+# Real clients, unchanged, against `deepinfer serve`: lm-eval-harness (a local JSONL task:
+# loglikelihood, multiple choice, generate_until), langchain-openai and LiteLLM
+# (tests/server/clients/). Not part of `make test`, which replays the request bodies they
+# send (tests/server/client_requests/); `make clients RECORD=1` records those bodies anew.
+$(VENV)/.clients: pyproject.toml $(VENV)/.all
+	$(BIN)/pip install -q --group clients
+	touch $@
+
+.PHONY: clients
+clients: $(VENV)/.clients
+	DEEPINFER_CLIENTS=1 $(if $(RECORD),DEEPINFER_RECORD_CLIENTS=1) LITELLM_LOCAL_MODEL_COST_MAP=True \
+	  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+	  $(BIN)/python -m pytest -n 0 tests/server/clients $(PYTEST_ARGS)

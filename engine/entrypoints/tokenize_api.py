@@ -38,7 +38,7 @@ class TokenizeRequest(BaseModel):
     """vLLM's two bodies in one: a ``prompt``, or a chat's ``messages`` rendered
     through the chat template as /v1/chat/completions renders them."""
 
-    model: str
+    model: str | None = Field(None, description="optional, as in vLLM (lm-eval sends none)")
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = Field(True, description="with messages")
@@ -64,7 +64,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model: str
+    model: str | None = Field(None, description="optional, as in vLLM (lm-eval sends none)")
     tokens: list[int]
 
 
@@ -102,7 +102,8 @@ def render_chat(serving: OpenAIServing, req: TokenizeRequest) -> str:
 
 
 async def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> TokenizeResponse:
-    serving.check_model(req.model)
+    if req.model is not None:
+        serving.check_model(req.model)
     encode = serving.prompts.encode  # as completions and chat encode, without the bound
     if req.prompt is not None:
         _tokenizer(serving, "prompt")
@@ -124,7 +125,8 @@ async def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> TokenizeResp
 
 def detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> DetokenizeResponse:
     """The ids' text, special tokens included (vLLM's decode), so that it round-trips."""
-    serving.check_model(req.model)
+    if req.model is not None:
+        serving.check_model(req.model)
     tokenizer = _tokenizer(serving, "tokens")
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     for t in req.tokens:
