@@ -107,8 +107,11 @@ def quantize_weights(
     whose shape torch's layout cannot hold. Returns the names of the last."""
     shared = {id(p) for p in _shared(model)}
     misfits = []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
+    # Names, not modules: a list of the modules would keep every replaced layer alive.
+    for parent_name in [n for n, _ in model.named_modules()]:
+        parent = model.get_submodule(parent_name)
+        for name in [n for n, _ in parent.named_children()]:
+            child = parent.get_submodule(name)
             full = f"{parent_name}.{name}".lstrip(".")
             if type(child) is Experts:
                 shapes = [w.shape[1:] for w in (child.gate_up_proj, child.down_proj)]
