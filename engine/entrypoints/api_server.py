@@ -91,19 +91,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestId)  # added last: runs first
     app.include_router(tokenize_routes(serving, Path(config.engine.model)))  # vLLM's, at the root
 
-    @app.post("/v1/completions", response_model=CompletionResponse)
-    async def completions(body: CompletionRequest, request: Request):
-        return await until_disconnect(request, serving.completions(body, request_id(request)))
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await until_disconnect(request, serving.chat(body, request_id(request)))
-
-    responses = Responses(serving)
-
-    @app.post("/v1/responses", response_model=ResponseObject)
-    async def create_response(body: ResponsesRequest, request: Request):
-        return await until_disconnect(request, responses.create(body, request_id(request)))
+    add_generating_routes(app, serving)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -136,6 +124,23 @@ def build_app(config: ServerConfig) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def add_generating_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """The endpoints that run the engine, each cancelled if its client goes."""
+    responses = Responses(serving)
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request):
+        return await until_disconnect(request, serving.completions(body, request_id(request)))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await until_disconnect(request, serving.chat(body, request_id(request)))
+
+    @app.post("/v1/responses", response_model=ResponseObject)
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await until_disconnect(request, responses.create(body, request_id(request)))
 
 
 def request_id(request: Request) -> str:

@@ -326,6 +326,26 @@ def build_pd_router(config: PDRouterConfig) -> FastAPI:
         router.metrics.plain.inc()  # a chat reply is served whole by one decode worker
         return await router.whole(json.loads(await request.body()), "/v1/chat/completions")
 
+    add_worker_routes(app, router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        workers = router.prefill + router.decode
+        if not any(w.healthy for w in router.prefill) or not any(w.healthy for w in router.decode):
+            raise OpenAIError(503, "no prefill or no decode worker is healthy")
+        return JSONResponse({"status": "ok", "workers": {w.url: w.healthy for w in workers}})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def add_worker_routes(app: FastAPI, router: PDRouter) -> None:
+    """What one decode worker answers whole, as a plain server would: the Responses
+    API, /v1/models and vLLM's tokenizer endpoints."""
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         router.metrics.plain.inc()  # as a chat: served whole by one decode worker
@@ -358,19 +378,6 @@ def build_pd_router(config: PDRouterConfig) -> FastAPI:
                 reply = await router.client.get(worker.url + path, timeout=10.0)
                 return Response(reply.content, reply.status_code, media_type="application/json")
         raise OpenAIError(503, "no decode worker is available")
-
-    @app.get("/health")
-    async def health() -> Response:
-        workers = router.prefill + router.decode
-        if not any(w.healthy for w in router.prefill) or not any(w.healthy for w in router.decode):
-            raise OpenAIError(503, "no prefill or no decode worker is healthy")
-        return JSONResponse({"status": "ok", "workers": {w.url: w.healthy for w in workers}})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def run_pd_router(config: PDRouterConfig, host: str, port: int, log_level: str = "info") -> None:
