@@ -83,12 +83,7 @@ class LLM:
                     bar.update(1)
                 rate = (engine.stats.generated_tokens - tokens) / (time.perf_counter() - start)
                 bar.set_postfix_str(f"{rate:.0f} tok/s out")
-        if engine.trace is not None:
-            engine.trace.save()  # where trace= said, if it named a file
-        if engine.eplb.placement is not None:
-            engine.eplb.sync_stats()  # every rank's share of the expert stats
-        if engine.connector is not None:
-            engine.connector.flush()  # what this call saved is in the store when it returns
+        engine.settle()
         return [finished[seq.request_id] for seq in seqs]
 
     def rebalance_experts(self, num_redundant: int | None = None) -> RebalanceReport:

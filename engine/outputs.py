@@ -53,13 +53,17 @@ class ModelRunnerOutput:
     logprobs: LogprobsTensors | None = None  # per position; None when no request asked
     num_positions: list[int] | None = None  # per request, 1 + its drafts; None: 1 each
     num_accepted: torch.Tensor | None = None  # [requests] int64 drafts accepted; None: no drafts
-    # Drafts a proposer in the model runner made after each request's newest token
-    # (spec_decode/mtp.py): [requests, k] int64, still on the device; None: no such proposer.
-    draft_token_ids: torch.Tensor | None = None
+    # Drafts the model runner's proposer made after each request's newest token
+    # (runner/drafting.py): a list per request (prompt lookup, a draft model), or
+    # [requests, k] int64 still on the device (MTP); None: no proposer.
+    draft_token_ids: list[list[int]] | torch.Tensor | None = None
+    # The proposer's confidence in each of those drafts, per request (None: it has none).
+    draft_confidence: list[tuple[float, ...] | None] | None = None
     # Per request that asked for prompt logprobs and samples its first token this
     # step: a row per prompt token after the first, the prompt's token in column 0
     # (engine/runner/prompt_logprobs.py). None when no request's are due.
     prompt_logprobs: dict[str, LogprobsTensors] | None = None
+    _rows: list[TokenRow] | None = field(default=None, init=False, repr=False, compare=False)
 
     def logprobs_lists(self) -> list[Logprobs | None]:
         """Each position's logprobs as host lists: (token ids, logprobs), or None."""
@@ -71,10 +75,18 @@ class ModelRunnerOutput:
         """Each request's drafts for its next step, on the host ([] each if none)."""
         if self.draft_token_ids is None:
             return [[] for _ in self.req_ids]
+        if isinstance(self.draft_token_ids, list):
+            return self.draft_token_ids
         return self.draft_token_ids.tolist()
 
     def token_rows(self) -> list[TokenRow]:
-        """Each request's row of tokens, on the host: the step's one wait for the device."""
+        """Each request's row of tokens, on the host: the step's one wait for the
+        device (once: a proposer in the runner may have read them already)."""
+        if self._rows is None:
+            self._rows = self._token_rows()
+        return self._rows
+
+    def _token_rows(self) -> list[TokenRow]:
         tokens = self.sampled_token_ids.tolist()
         logprobs = self.logprobs_lists()
         counts = self.num_positions or [1] * len(self.req_ids)

@@ -60,9 +60,6 @@ class ScheduledRequest:
     # Only when it samples and has penalties: its output tokens so far, the newest
     # perhaps a PLACEHOLDER (async scheduling); None otherwise.
     output_token_ids: list[int] | None = None
-    # The distribution each draft was drawn from ([drafts, vocab]), for the
-    # rejection sampler; None for a deterministic proposer's (one-hot).
-    draft_probs: torch.Tensor | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -53,10 +53,12 @@ class Sequence:
         self.num_cached_prompt_tokens = 0  # found in the prefix cache at the first admission
         self.events: list[EngineCoreEvent] = []  # what the scheduler did, not yet reported
         self.structured_output: StructuredOutputRequest | None = None  # its grammar's matcher
-        # Drafts a model runner made after token runner_drafts_at - 1 (spec_decode/mtp.py),
-        # for its next step: stale once that is no longer the sequence's newest token.
-        self.runner_drafts: list[int] = []
-        self.runner_drafts_at = 0
+        # Drafts the model runner's proposer made after token spec_at - 1 (runner/drafting.py),
+        # and its confidence in each (None: it has none), for the next step: stale once
+        # that is no longer the sequence's newest token.
+        self.spec_token_ids: list[int] = []
+        self.spec_confidence: tuple[float, ...] | None = None
+        self.spec_at = 0
         # Handed on by another engine (kv/handoff.py): its blocks load from the store.
         self.handoff: Handoff | None = None
 

@@ -81,7 +81,7 @@ class AsyncLoop:
             self._fill_bitmask(scheduler_output)
             future = self.executor.execute_model_async(scheduler_output)
             self.in_flight = InFlightStep(scheduler_output, future)
-        elif previous is None and synced is None and not self.scheduler.loading:
+        elif previous is None and synced is None and not self.scheduler.kv.loading:
             raise RuntimeError("requests are waiting but none could be scheduled")
         if synced is not None:
             return synced

@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.spec_decode.factory import make_proposer, make_verify_schedule
+from engine.spec_decode.factory import make_verify_schedule
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 
@@ -70,6 +70,7 @@ class LLMEngine:
                 config.kv_window[1] if config.kv_window else 0,
             )
         )
+        self.connector = self._connector(config, cache.block_size, root)
         scheduler = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler(
             config.max_num_seqs,
@@ -78,10 +79,9 @@ class LLMEngine:
             self.stats,
             eos_token_ids=config.hf_config.eos_token_ids,
             max_model_len=self.max_model_len,
-            proposer=make_proposer(config, cache.num_blocks, self.max_model_len),
             verify_schedule=make_verify_schedule(config, self.executor.measure_step_times),
             kv_window=config.kv_window,
-            connector=self._connector(config, cache.block_size, root),
+            connector=self.connector,
         )
         self.output_processor: OutputSink = (
             OutputProcessor(self.tokenizer) if output_processor is None else output_processor
@@ -126,19 +126,18 @@ class LLMEngine:
         self, config: EngineConfig, block_size: int, root: bytes
     ) -> StoreConnector | None:
         """With a kv_store: the connector that loads blocks from it and saves them."""
-        self.connector = None
-        if config.kv_store is not None:
-            from engine.kv.store import open_store  # ValueError if it cannot be reached
+        if config.kv_store is None:
+            return None
+        from engine.kv.store import open_store  # ValueError if it cannot be reached
 
-            store = open_store(config.kv_store, config.kv_store_max_bytes)
-            tokens = 4 * block_size
-            [seconds] = self.executor.measure_step_times([tokens])
-            stats, always = self.stats.kv_transfer, config.kv_store_load == "always"
-            background = config.role != "prefill"  # its reply waits for the saves
-            self.connector = make_connector(
-                store, self.executor, block_size, root, stats, seconds, tokens, always, background
-            )
-        return self.connector
+        store = open_store(config.kv_store, config.kv_store_max_bytes)
+        tokens = 4 * block_size
+        [seconds] = self.executor.measure_step_times([tokens])
+        stats, always = self.stats.kv_transfer, config.kv_store_load == "always"
+        background = config.role != "prefill"  # its reply waits for the saves
+        return make_connector(
+            store, self.executor, block_size, root, stats, seconds, tokens, always, background
+        )
 
     @property
     def requests(self) -> dict[str, Sequence]:
@@ -204,11 +203,22 @@ class LLMEngine:
         self.stats.step_seconds += time.perf_counter() - start
         return processed.request_outputs
 
+    def settle(self) -> None:
+        """Once the requests in hand are done (LLM.generate's end): the trace saved
+        where trace= said, every rank's share of the expert stats summed, and what
+        was saved to a KV store there when this returns."""
+        if self.trace is not None:
+            self.trace.save()
+        if self.eplb.placement is not None:
+            self.eplb.sync_stats()
+        if self.connector is not None:
+            self.connector.flush()
+
     def _idle(self) -> list[RequestOutput]:
         """A step that schedules nothing: fine while an outside source is still
         loading some request's KV (the scheduler holds it, WAITING_FOR_KV), an
         error otherwise, since the step after would schedule nothing either."""
-        if self.scheduler.loading:
+        if self.scheduler.kv.loading:
             if self.connector is not None:  # wait a little for one, not spin
                 self.connector.wait(timeout=0.01)
             return []

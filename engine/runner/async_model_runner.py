@@ -27,10 +27,12 @@ import torch
 from engine.config import EngineConfig
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
 from engine.runner.future_tokens import FutureTokens
-from engine.runner.model_runner import ModelRunner, PreparedStep
+from engine.runner.input_batch import PreparedStep
+from engine.runner.model_runner import ModelRunner
 from engine.runner.torch_thread import TorchThread
 from engine.scheduler_output import PLACEHOLDER, SchedulerOutput
 from engine.stats import EngineStats
+from engine.utils import to_device
 
 
 class StepFuture(Protocol):
@@ -73,7 +75,7 @@ class AsyncModelRunner(ModelRunner):
             self.future.release(req_id)
         step = super().prepare_inputs(replace(out, scheduled=self._refer(out)))
         slots = [self.future.slot(req_id) for req_id in step.batch.req_ids]
-        step.future_slots = self._tensor(slots, torch.int64)
+        step.future_slots = to_device(slots, torch.int64, self.device)
         return step
 
     def _refer(self, out: SchedulerOutput) -> list:

@@ -45,7 +45,9 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
+from engine.config import EngineConfig
 from engine.layers import opaque
+from engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +180,25 @@ def isa_cache_tag() -> str:
 
 def _graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compiled_decode_for(
+    config: EngineConfig, model: CausalLM, backend: AttentionBackend, device: torch.device
+) -> CompiledDecode | None:
+    """The compiled decode step the config asks for, where the model and device
+    allow it; None when off. compile_decode=True that cannot be honoured is a
+    ValueError that says why."""
+    want = config.compile_decode
+    if config.enforce_eager:
+        why_not = "enforce_eager=True asks for no compilation"
+    elif want is False:  # off (the default): skip the probe, seconds of compiler runs
+        return None
+    elif config.expert_parallel_size > 1:
+        why_not = "under expert parallelism each MoE layer exchanges tokens between ranks"
+    else:
+        why_not = can_compile(model, device)
+    if want and why_not:
+        raise ValueError(f"compile_decode=True cannot be honoured: {why_not}")
+    if want is False or why_not:  # None: wherever it can run
+        return None
+    return CompiledDecode(model, backend, config.compile_mode)

@@ -21,6 +21,9 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata, for_decodes
+from engine.config import EngineConfig
+from engine.models.base import CausalLM
+from engine.utils import cdiv
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -120,3 +123,31 @@ class CUDAGraphRunner:
         self.block_tables[n:bs] = 0
         self.graphs[bs].replay()
         return self.hidden[:n]
+
+
+def cuda_graphs_for(
+    c: EngineConfig,
+    model: CausalLM,
+    backend: AttentionBackend,
+    max_model_len: int,
+    device: torch.device,
+) -> CUDAGraphRunner | None:
+    """Graphs for decode steps on a GPU with the Triton backend, unless
+    enforce_eager; None elsewhere."""
+    if not (
+        device.type == "cuda"
+        and backend.name == "triton"
+        and not c.enforce_eager
+        and model.supports_cuda_graphs
+    ):
+        return None
+    max_blocks = cdiv(max_model_len, c.block_size)
+    return CUDAGraphRunner(
+        model,
+        backend,
+        min(c.max_num_seqs, 256),
+        max_blocks,
+        c.hf_config.hidden_size,
+        c.dtype,
+        device,
+    )

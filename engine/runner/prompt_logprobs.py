@@ -11,7 +11,7 @@ preempted and recomputed computes none again (PromptLogprobs.scheduled), and
 the whole list goes out with the request's first sampled token.
 
 The model runner asks for these rows only while some request still waits for
-its list (ModelRunner.pending_prompt_logprobs); a step without one runs as before.
+its list (InputBatch.pending_prompt_logprobs); a step without one runs as before.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from engine.kv.block_manager import BlockManager
 from engine.sequence import Sequence
+from engine.spec_decode.proposer import DraftRequest
 
 
 class DraftKV:
@@ -21,7 +22,7 @@ class DraftKV:
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Sequence] = {}  # by request id: the tokens written, and blocks
 
-    def catch_up(self, seq: Sequence, num_drafts: int, busy: set[str]) -> Sequence | None:
+    def catch_up(self, seq: DraftRequest, num_drafts: int, busy: set[str]) -> Sequence | None:
         """The draft's shadow of ``seq``, rolled back to the tokens it got right
         and then given seq's tokens since, with blocks for them and for the
         ``num_drafts - 1`` guesses it will write after them (the last guess is

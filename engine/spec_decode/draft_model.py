@@ -1,11 +1,11 @@
 """A draft model: a small model with the target's vocabulary guesses the next
 k tokens, one forward pass each, and the target checks them all in one.
 
-The draft is a ModelRunner of its own, with its own paged KV cache and block
-tables (draft_kv.py), driven from the scheduler's decisions: each step, the
-requests about to decode catch up (the draft feeds the tokens it has not seen,
-after rolling back its wrong guesses), then it guesses k tokens in k passes
-over the whole batch. A greedy request's guesses are the draft's argmax, and
+The draft is a model runner of its own, with its own paged KV cache and block
+tables (draft_kv.py), driven by the target's runner (runner/drafting.py): after
+each step, the requests that sampled catch up (the draft feeds the tokens it has
+not seen, after rolling back its wrong guesses), then it guesses k tokens in k
+passes over the whole batch. A greedy request's guesses are the draft's argmax, and
 the target keeps them by strict match. A sampled request's are drawn from q,
 the draft's distribution after the request's own temperature, top-k, top-p and
 min-p, and travel with their q to the rejection sampler, which keeps the
@@ -16,27 +16,38 @@ can spend (verify_length.py)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.config import EngineConfig
 from engine.layers.sampler import RandomRows, SamplingRow, argmax, exponential_noise
 from engine.models.loader import load_tokenizer
-from engine.runner.model_runner import ModelRunner
 from engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.sequence import Sequence
 from engine.spec_decode.draft_kv import DraftKV
-from engine.spec_decode.proposer import Draft
+from engine.spec_decode.proposer import Draft, DraftRequest
 from engine.spec_decode.rejection_sampler import target_probs
 from engine.utils import cdiv
-
-if TYPE_CHECKING:
-    from engine.sequence import Sequence
 
 # The draft's race draws token ids 3V..4V of the request's stream at each output
 # position: the ordinary draw has 0..V, the rejection sampler V..2V and 2V.
 DRAFT_STREAM = 3
+
+
+class DraftRunner(Protocol):
+    """What the draft needs of its model runner (runner/model_runner.py)."""
+
+    block_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    vocab_size: int
+
+    def logits_for(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        """One forward pass over ``out``: the sampled rows' logits, and whose they are."""
+        ...
 
 
 @dataclasses.dataclass
@@ -44,7 +55,7 @@ class Lane:
     """One request's share of a proposal: its shadow in the draft's cache, how
     many guesses it wants, and those made so far."""
 
-    seq: Sequence
+    seq: DraftRequest
     shadow: Sequence
     want: int
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -57,31 +68,36 @@ class Lane:
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, k: int, max_model_len: int) -> None:
+    def __init__(self, runner: DraftRunner, k: int, max_model_len: int) -> None:
         self.runner, self.k = runner, k
         self.max_model_len = min(max_model_len, runner.max_model_len)
-        self.kv = DraftKV(runner.kv_cache.num_blocks, runner.block_size)
-        self.vocab_size = runner.config.hf_config.vocab_size
+        self.kv = DraftKV(runner.num_kv_blocks, runner.block_size)
+        self.vocab_size = runner.vocab_size
         self.known: set[str] = set()  # requests the draft's runner holds settings for
         self.ended: list[str] = []  # forgotten since its last step, for its runner
 
     @classmethod
     def from_config(
-        cls, target: EngineConfig, num_blocks: int, max_model_len: int
+        cls,
+        target: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        new_runner: Callable[[EngineConfig], DraftRunner],
     ) -> DraftModelProposer:
         """The draft of ``target``'s speculative_config, with a cache of
-        ``num_blocks`` (the target's) plus room for every request's guesses."""
+        ``num_blocks`` (the target's) plus room for every request's guesses,
+        run by ``new_runner(config)`` (the target's runner passes ModelRunner)."""
         config = draft_engine_config(target, num_blocks)
         check_same_vocabulary(target, config)
         k = target.speculative_config.num_speculative_tokens
-        return cls(ModelRunner(config), k, max_model_len)
+        return cls(new_runner(config), k, max_model_len)
 
     def forget(self, req_ids: list[str]) -> None:
         self.kv.forget(req_ids)
         self.ended += [r for r in req_ids if r in self.known]
         self.known.difference_update(req_ids)
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+    def propose(self, seqs: list[DraftRequest]) -> dict[str, Draft]:
         busy = {seq.request_id for seq in seqs}
         lanes = []
         for seq in seqs:
@@ -101,7 +117,7 @@ class DraftModelProposer:
                      if lane.want > j + 1]  # fmt: skip
         return {lane.seq.request_id: lane.draft() for lane in lanes}
 
-    def _num_guesses(self, seq: Sequence) -> int:
+    def _num_guesses(self, seq: DraftRequest) -> int:
         """k, or fewer where the request would reach its max_tokens or the model's
         length with the token the target samples after the guesses."""
         room = min(
@@ -117,18 +133,17 @@ class DraftModelProposer:
             shadow.request_id, shadow.token_ids[start:], start, shadow.block_table, True
         )
 
-    def _forward(self, seqs: list[Sequence], items: list[ScheduledRequest]) -> torch.Tensor:
+    def _forward(self, seqs: list[DraftRequest], items: list[ScheduledRequest]) -> torch.Tensor:
         """One pass of the draft over ``items``; its logits, a row per item, in order."""
         new = [self._new_request(seq) for seq in seqs if seq.request_id not in self.known]
         self.known.update(seq.request_id for seq in seqs)
         out = SchedulerOutput(items, new, finished_req_ids=self.ended)
         self.ended = []
-        step = self.runner.prepare_inputs(out)
-        logits = self.runner.forward(step)  # its rows in the runner's order (decodes first)
-        order = {req_id: i for i, req_id in enumerate(step.batch.req_ids)}
+        logits, req_ids = self.runner.logits_for(out)  # in the runner's order (decodes first)
+        order = {req_id: i for i, req_id in enumerate(req_ids)}
         return logits[[order[item.req_id] for item in items]]
 
-    def _new_request(self, seq: Sequence) -> NewRequestData:
+    def _new_request(self, seq: DraftRequest) -> NewRequestData:
         return NewRequestData(seq.request_id, seq.params, seq.seed, seq.num_prompt_tokens)
 
     def _guess(self, logits: torch.Tensor, lanes: list[Lane]) -> list[int]:

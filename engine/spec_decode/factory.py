@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.draft_model import DraftModelProposer, DraftRunner
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.proposer import DraftProposer
-from engine.spec_decode.runner_drafts import RunnerDrafts
 from engine.spec_decode.verify_length import ConfidenceSchedule, StepTimeProfile
 
 if TYPE_CHECKING:
@@ -18,19 +17,22 @@ PROFILE_MAX_TOKENS = 512  # the largest step measured at start-up; longer ones e
 
 
 def make_proposer(
-    config: EngineConfig, num_blocks: int, max_model_len: int
+    config: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    new_runner: Callable[[EngineConfig], DraftRunner],
 ) -> DraftProposer | None:
-    """None without speculation. A draft model gets a cache of the target's
-    ``num_blocks`` and more (draft_model.py)."""
+    """The proposer that reads the requests' tokens: None without speculation,
+    and for MTP, which reads the step's hidden states instead (mtp.py). A draft
+    model gets a cache of the target's ``num_blocks`` and more (draft_model.py),
+    and a runner of its own from ``new_runner``."""
     spec = config.speculative_config
-    if spec is None:
+    if spec is None or spec.method == "mtp":
         return None
     if spec.method == "ngram":
         return NgramProposer.from_config(spec)
     if spec.method == "draft_model":
-        return DraftModelProposer.from_config(config, num_blocks, max_model_len)
-    if spec.method == "mtp":  # drafted in the model runner (mtp.py); the sequences keep them
-        return RunnerDrafts()
+        return DraftModelProposer.from_config(config, num_blocks, max_model_len, new_runner)
     raise ValueError(f"speculative_config method {spec.method!r} has no proposer")
 
 

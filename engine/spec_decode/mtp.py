@@ -4,8 +4,9 @@ The module predicts token i+2 from the main model's last hidden state h_i at
 position i and token i+1 (DeepSeek-V3's in engine/models/deepseek_v3.py; V4's,
 whose h is the last layer's hyper-connection streams, in deepseek_v4.py). Those hidden states
 exist only in the model runner, so the module drafts there, after each step's
-forward pass, sampling and verification, as vLLM and SGLang run it; the drafts
-reach the scheduler in ModelRunnerOutput (runner_drafts.py is its side).
+forward pass, sampling and verification, as vLLM and SGLang run it, and as
+every proposer runs here (runner/drafting.py); the drafts reach the scheduler
+in ModelRunnerOutput.
 
 The module's attention has a paged cache of its own, in the same pool as the
 main layers', read through the same block tables and slots: its row at position

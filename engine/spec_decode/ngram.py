@@ -17,7 +17,7 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import Draft
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.spec_decode.proposer import DraftRequest
 
 _WIDTH = array("i").itemsize  # bytes per token in the searched buffer
 
@@ -32,12 +32,12 @@ class NgramProposer:
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+    def propose(self, reqs: list[DraftRequest]) -> dict[str, Draft]:
         drafts = {}
-        for seq in seqs:
-            tokens = propose_ngram(seq.token_ids, self.lookup_min, self.lookup_max, self.k)
+        for req in reqs:
+            tokens = propose_ngram(req.token_ids, self.lookup_min, self.lookup_max, self.k)
             if tokens:
-                drafts[seq.request_id] = Draft(tokens)
+                drafts[req.request_id] = Draft(tokens)
         return drafts
 
     def forget(self, req_ids: list[str]) -> None:

@@ -1,4 +1,7 @@
-"""The interface between a draft proposer and the scheduler."""
+"""The interface of a draft proposer. Every proposer runs in the model runner,
+after a step's sampling (runner/drafting.py), and guesses the tokens after
+each request's newest one; the guesses go back to the scheduler with the step's
+tokens, which schedules them at the request's next step."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from engine.sequence import Sequence
+    from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,40 @@ class Draft:
 NO_DRAFT = Draft([])
 
 
-class DraftProposer(Protocol):
-    """Guesses of the tokens that follow some decoding sequences, for the model to
-    check in the same step as their newest token (speculative decoding)."""
+@dataclass
+class DraftRequest:
+    """A request as a proposer sees it in the model runner: its settings, and
+    its prompt and the tokens it has kept so far."""
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
-        """Drafts by request id; a sequence left out gets none."""
+    request_id: str
+    params: SamplingParams
+    seed: int
+    num_prompt_tokens: int
+    token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class DraftProposer(Protocol):
+    """Guesses of the tokens that follow some requests' newest tokens, for the
+    model to check in the same step as the next (speculative decoding)."""
+
+    def propose(self, reqs: list[DraftRequest]) -> dict[str, Draft]:
+        """Drafts by request id; a request left out gets none."""
         ...
 
     def forget(self, req_ids: list[str]) -> None:

@@ -29,6 +29,23 @@ from engine.layers.sampler import RandomRows, apply_filters, argmax, exponential
 
 
 @dataclass
+class DraftCheck:
+    """On the device: the drafts of each request that sampled, padded with -1
+    (which no sampled token equals), and the row of the token sampled before each."""
+
+    drafts: torch.Tensor  # [requests, max drafts] int64
+    rows: torch.Tensor  # [requests, max drafts] int64 indices into the sampled tokens
+    # The sampled requests whose drafts carry q: the rejection sampler's.
+    sampled: SampledDrafts | None = None
+
+    def num_accepted(self, sampled: torch.Tensor) -> torch.Tensor:
+        """Strict match, left to right: drafts accepted until the first that differs
+        from the token sampled at its position."""
+        match = sampled[self.rows] == self.drafts
+        return match.long().cumprod(dim=1).sum(dim=1)
+
+
+@dataclass
 class SampledDrafts:
     """The drafts of the step's sampled requests whose proposer gave q, on the device."""
 

@@ -19,6 +19,7 @@ import os
 import tempfile
 
 from engine import LLM, SamplingParams
+from engine.spec_decode import Draft
 from engine.spec_decode.verify_length import StepShape, StepTimeProfile, choose_lengths, gains
 
 MODEL = os.environ.get("DEEPINFER_DEMO_MODEL", "snippets/models/deepinfer-tiny")
@@ -51,7 +52,8 @@ def one_batch(llm: LLM, profile: StepTimeProfile) -> tuple[list[int], list[int]]
         engine.add_request(str(i), prompt, GREEDY)
     engine.step()  # the prompts, and each request's first token
     seqs = list(engine.scheduler.running)
-    drafts = engine.scheduler.proposer.propose(seqs)
+    # The drafts the runner's proposer made after each request's first token.
+    drafts = {s.request_id: Draft(s.spec_token_ids, None, s.spec_confidence) for s in seqs}
     shape = StepShape(len(seqs), len(seqs))
     lengths = choose_lengths(drafts, shape, BUDGET, profile)
     at_four = choose_lengths(drafts, shape, 4, profile)

@@ -70,7 +70,7 @@ def main() -> dict:
     results["tokens"] = s.generated_tokens
     print(f"each run: {s.generated_tokens} output tokens")
     target = parameters(llm.llm_engine.executor.model_runner.model)
-    draft = parameters(llm.llm_engine.scheduler.proposer.runner.model)
+    draft = parameters(llm.llm_engine.executor.model_runner.drafter.proposer.runner.model)
     print(f"parameters: target {target:,}, draft {draft:,}")
     return results | {"target_parameters": target, "draft_parameters": draft}
 

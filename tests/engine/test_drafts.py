@@ -1,5 +1,6 @@
-"""A step that checks several tokens per request: the scheduler carries a
-proposer's drafts after a request's newest token, the model runner samples
+"""A step that checks several tokens per request: the scheduler carries the
+drafts the model runner's proposer made after a request's newest token (handed
+back with the step before's tokens), the model runner samples
 at every position that can yield a token and accepts drafts left to right
 while they match, and the scheduler keeps the accepted ones, rolls the rest
 back and never offers a block holding a rejected draft to the prefix cache.
@@ -18,11 +19,12 @@ from engine.attention.metadata import AttentionMetadata, decode_query_len
 from engine.kv.block_manager import BlockManager
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode
-from engine.runner.model_runner import DraftCheck
+from engine.runner.drafting import TokenDrafts
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.spec_decode import Draft
+from engine.spec_decode import Draft, DraftProposer, DraftRequest
+from engine.spec_decode.rejection_sampler import DraftCheck
 from engine.stats import EngineStats
 from tests.engine.conftest import EOS, VOCAB, random_prompts
 
@@ -38,7 +40,7 @@ class ReferenceProposer:
         self.outputs, self.k, self.right = outputs, k, right
         self.proposed = 0
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+    def propose(self, seqs: list[DraftRequest]) -> dict[str, Draft]:
         drafts = {}
         for seq in seqs:
             ref = self.outputs[tuple(seq.prompt_token_ids)]
@@ -55,10 +57,16 @@ class ReferenceProposer:
         pass
 
 
+def use_proposer(llm: LLM, proposer: DraftProposer) -> None:
+    """Draft with ``proposer`` in the engine's model runner, as a speculative_config's would."""
+    runner = llm.llm_engine.executor.model_runner
+    runner.drafter = TokenDrafts(proposer, runner.input_batch.requests)
+
+
 def run(path, params: SamplingParams, proposer=None, **kwargs) -> tuple[LLM, list]:
     llm = LLM(path, dtype="float32", **kwargs)
     if proposer is not None:
-        llm.llm_engine.scheduler.proposer = proposer
+        use_proposer(llm, proposer)
     return llm, llm.generate(PROMPTS, params, use_tqdm=False)
 
 
@@ -104,10 +112,10 @@ def test_no_rejected_draft_reaches_the_prefix_cache(qwen3) -> None:
     [expected] = llm.generate([second], params, use_tqdm=False)
 
     llm = LLM(path, dtype="float32", **kwargs)
-    llm.llm_engine.scheduler.proposer = ReferenceProposer(outputs, 5, 1)
+    use_proposer(llm, ReferenceProposer(outputs, 5, 1))
     [drafted] = llm.generate([first], params, use_tqdm=False)
     assert drafted.token_ids == plain.token_ids
-    llm.llm_engine.scheduler.proposer = Fixed([])  # no drafts for it
+    use_proposer(llm, Fixed([]))  # no drafts for it
     hits = llm.stats.prefix_cache_hit_tokens
     [again] = llm.generate([second], params, use_tqdm=False)
     assert llm.stats.prefix_cache_hit_tokens - hits >= len(first) + 14  # it read those blocks
@@ -123,16 +131,17 @@ class Fixed:
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+    def propose(self, seqs: list[DraftRequest]) -> dict[str, Draft]:
         return {seq.request_id: Draft(self.drafts) for seq in seqs}
 
     def forget(self, req_ids: list[str]) -> None:
         pass
 
 
-def fold(sched: Scheduler, rows: dict[str, list[int]]):
+def fold(sched: Scheduler, rows: dict[str, list[int]], drafts: dict[str, list[int]] | None = None):
     """One step whose model samples ``rows[req_id]`` at the request's positions,
-    with acceptance done as the runner does it."""
+    with acceptance done as the runner does it, and whose proposer then drafts
+    ``drafts[req_id]`` after the request's newest token, for its next step."""
     out = sched.schedule()
     items = [item for item in out.scheduled if item.samples]
     flat = torch.tensor([t for item in items for t in rows[item.req_id]])
@@ -145,6 +154,8 @@ def fold(sched: Scheduler, rows: dict[str, list[int]]):
     )
     accepted = check.num_accepted(flat) if width else None
     output = ModelRunnerOutput([it.req_id for it in items], flat, None, counts, accepted)
+    if drafts is not None:
+        output.draft_token_ids = [drafts.get(it.req_id, []) for it in items]
     return out, sched.update_from_output(out, output)
 
 
@@ -152,9 +163,9 @@ def test_rejected_drafts_roll_back_and_free_their_blocks() -> None:
     sched = scheduler()
     seq = Sequence("a", [10, 11, 12], SamplingParams(max_tokens=50))
     sched.add(seq)
-    fold(sched, {"a": [20]})  # the prompt, then its first token at position 3
-    sched.proposer = Fixed([30, 31, 32, 33])  # positions 4..7: all of block 1
-    out, [news] = fold(sched, {"a": [40, 41, 42, 43, 44]})  # the first draft is wrong
+    drafts = {"a": [30, 31, 32, 33]}  # positions 4..7 at the next step: all of block 1
+    fold(sched, {"a": [20]}, drafts)  # the prompt, then its first token at position 3
+    out, [news] = fold(sched, {"a": [40, 41, 42, 43, 44]}, drafts)  # the first draft is wrong
     [item] = out.scheduled
     assert item.token_ids == [20, 30, 31, 32, 33] and item.num_drafts == 4
     assert news.new_token_ids == [40]
@@ -164,7 +175,7 @@ def test_rejected_drafts_roll_back_and_free_their_blocks() -> None:
     assert sched.block_manager.num_free_blocks == 15
     assert len(sched.block_manager.cached_blocks) == 1  # block 0 alone, all real tokens
     # Half right: two accepted, then the token sampled after them.
-    out, [news] = fold(sched, {"a": [30, 31, 50, 51, 52]})
+    out, [news] = fold(sched, {"a": [30, 31, 50, 51, 52]}, drafts)
     assert news.new_token_ids == [30, 31, 50]
     assert seq.token_ids == [10, 11, 12, 20, 40, 30, 31, 50]
     assert seq.num_computed_tokens == 7
@@ -179,16 +190,13 @@ def test_a_row_stops_at_eos_and_drafts_stop_short_of_max_tokens() -> None:
     sched = scheduler()
     seq = Sequence("a", [10, 11, 12], SamplingParams(max_tokens=4))
     sched.add(seq)
-    fold(sched, {"a": [20]})
-    sched.proposer = Fixed([30, 31, 32, 33, 34])
+    fold(sched, {"a": [20]}, {"a": [30, 31, 32, 33, 34]})
     out, [news] = fold(sched, {"a": [30, 31, 32]})
     assert out.scheduled[0].draft_token_ids == [30, 31]  # 1 + 2 + 1 reaches max_tokens
     assert news.new_token_ids == [30, 31, 32] and news.finish_reason == "length"
     seq = Sequence("b", [10, 11, 12], SamplingParams(max_tokens=40))
     sched.add(seq)
-    sched.proposer = Fixed([])
-    fold(sched, {"b": [20]})
-    sched.proposer = Fixed([30, EOS, 32])
+    fold(sched, {"b": [20]}, {"b": [30, EOS, 32]})
     _, [news] = fold(sched, {"b": [30, EOS, 32, 33]})
     assert news.new_token_ids == [30, EOS] and news.finish_reason == "stop"
     assert sched.stats.generated_tokens == 1 + 3 + 1 + 2
@@ -197,9 +205,11 @@ def test_a_row_stops_at_eos_and_drafts_stop_short_of_max_tokens() -> None:
 
 def test_async_scheduling_refuses_drafts() -> None:
     bm = BlockManager(16, 4)
-    sched = AsyncScheduler(8, 64, bm, EngineStats(), proposer=Fixed([1]))
+    sched = AsyncScheduler(8, 64, bm, EngineStats())
     sched.add(Sequence("a", [10, 11], SamplingParams()))
-    sched.schedule()  # a prompt: nobody decodes yet, so nobody is asked
+    out = sched.schedule()  # a prompt, whose step then comes back with a draft
+    drafted = ModelRunnerOutput(["a"], torch.tensor([5]), None, draft_token_ids=[[1]])
+    sched.update_from_output(out, drafted)
     with pytest.raises(ValueError, match="async_scheduling=False"):
         sched.schedule()
 
@@ -215,7 +225,8 @@ def test_decodes_have_one_definition(qwen3) -> None:
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.9, max_tokens=8))
     engine.step()  # both prompts
     engine.add_request("2", PROMPTS[2], SamplingParams(temperature=0.9, max_tokens=8))
-    engine.scheduler.proposer = Fixed([7, 8])
+    for seq in engine.scheduler.running:  # as if the runner's proposer had made them
+        seq.spec_token_ids, seq.spec_at = [7, 8], seq.num_tokens
     out = engine.scheduler.schedule()
     runner = engine.executor.model_runner
     step = runner.prepare_inputs(out)

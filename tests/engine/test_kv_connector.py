@@ -177,13 +177,13 @@ def test_request_finished_true_keeps_the_blocks_until_they_are_saved() -> None:
     run(sched, sched.schedule())
     assert a.is_finished and not sched.has_unfinished()
     held = conn.finished["a"]
-    assert len(held) == 3 and "a" in sched.saving
+    assert len(held) == 3 and "a" in sched.kv.saving
     bm = sched.block_manager
     assert bm.num_free_blocks == 5 and all(bm.blocks[b].ref_count == 1 for b in held)
     with pytest.raises(ValueError, match="still holds blocks"):
         sched.add(Sequence("a", prompt(3), SamplingParams()))
     sched.finish_saving(["a"])
-    assert bm.num_free_blocks == 8 and not sched.saving
+    assert bm.num_free_blocks == 8 and not sched.kv.saving
     assert all(bm.blocks[b].ref_count == 0 for b in held)
 
 
@@ -197,7 +197,7 @@ def test_a_request_aborted_while_loading_frees_its_blocks_once_loaded() -> None:
     sched.finish_requests(["a"], FinishReason.ABORT)
     assert a.is_finished and conn.finished["a"] == a.block_table
     assert sched.block_manager.num_free_blocks == 6
-    assert sched.has_unfinished() and list(sched.loading) == ["a"]  # the load is in flight
+    assert sched.has_unfinished() and list(sched.kv.loading) == ["a"]  # the load is in flight
     sched.kv_loaded(["a"])
     assert sched.block_manager.num_free_blocks == 8 and not sched.has_unfinished()
     assert sched.running == [] and list(sched.waiting) == []
@@ -242,7 +242,7 @@ def test_no_connector_holds_nothing() -> None:
     assert conn.num_external_tokens(seq, 0) == (0, False)
     assert conn.request_finished(seq, [1, 2]) is False
     sched = make(None)
-    assert isinstance(sched.connector, NoConnector)
+    assert isinstance(sched.kv.connector, NoConnector)
     sched.add(seq)
     [item] = sched.schedule().scheduled
     assert item.num_computed_tokens == 0 and item.num_new_tokens == 12
@@ -287,7 +287,7 @@ def test_random_workloads_with_a_store_end_as_they_would_alone(
     chunk_ends: dict[str, tuple[int, int]] = {}
     reported: set[str] = set()  # saves the store has reported done
     step = 0
-    while arrivals or sched.has_unfinished() or sched.saving:
+    while arrivals or sched.has_unfinished() or sched.kv.saving:
         while arrivals and arrivals[0][0] <= step:
             i = arrivals.pop(0)[1]
             family, length, max_tokens, _, _ = w.requests[i]
@@ -295,12 +295,12 @@ def test_random_workloads_with_a_store_end_as_they_would_alone(
             seqs[f"r{i}"] = seq = Sequence(f"r{i}", prompts[family][:length], params)
             sched.add(seq)
         sched.finish_requests([f"r{i}" for i, r in enumerate(w.requests) if r[4] == step], "abort")
-        sched.kv_loaded([r for r in list(sched.loading) if data.draw(st.booleans())])
-        done = [r for r in list(sched.saving) if data.draw(st.booleans())]
+        sched.kv_loaded([r for r in list(sched.kv.loading) if data.draw(st.booleans())])
+        done = [r for r in list(sched.kv.saving) if data.draw(st.booleans())]
         sched.finish_saving(done)
         reported.update(done)
         out = sched.schedule()
-        assert not {item.req_id for item in out.scheduled} & set(sched.loading)
+        assert not {item.req_id for item in out.scheduled} & set(sched.kv.loading)
         check_chunks(out.scheduled, seqs, chunk_ends)
         sampled = [item.req_id for item in out.scheduled if item.samples]
         tokens = [answer(r, seqs[r].num_output_tokens) for r in sampled]
@@ -310,7 +310,9 @@ def test_random_workloads_with_a_store_end_as_they_would_alone(
         assert not held & set(bm.free_blocks) and len(held) + bm.num_free_blocks == len(bm.blocks)
         for s in holders:  # a finished request holds blocks only for the store
             assert (
-                not s.is_finished or s.request_id in sched.loading or s.request_id in sched.saving
+                not s.is_finished
+                or s.request_id in sched.kv.loading
+                or s.request_id in sched.kv.saving
             )
         for rid, blocks in store.finished.items():  # a save not yet reported keeps its blocks
             assert rid not in saved or rid in reported or seqs[rid].block_table == blocks, rid
@@ -323,7 +325,7 @@ def test_random_workloads_with_a_store_end_as_they_would_alone(
             assert seq.output_token_ids == want[: seq.num_output_tokens], rid
         else:
             assert seq.output_token_ids == want, rid
-    assert bm.num_free_blocks == len(bm.blocks) and not sched.loading
+    assert bm.num_free_blocks == len(bm.blocks) and not sched.kv.loading
 
 
 class PoolConnector:
@@ -373,7 +375,7 @@ def test_blocks_moved_between_engines_give_the_same_tokens(qwen3, load_async) ->
     engine_b = b.llm_engine
     pool_b = engine_b.executor.model_runner.kv_cache
     conn = PoolConnector(ids, data, len(blocks) * BLOCK, pool_b, load_async)
-    engine_b.scheduler.connector = conn
+    engine_b.scheduler.kv.connector = conn
     engine_b.add_request("r", ids, params)
     if load_async:
         assert engine_b.step() == []  # only a load in flight: nothing to run, no error

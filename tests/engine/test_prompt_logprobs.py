@@ -109,7 +109,7 @@ def test_prompt_logprobs_match_transformers(model, regime, monkeypatch) -> None:
     assert len(spy.filled) == rows and set(spy.filled.values()) == {1}  # each row once
     if regime == "preempted":
         assert spy.mid_prompt_preemptions >= 1
-    assert not llm.llm_engine.executor.model_runner.pending_prompt_logprobs
+    assert not llm.llm_engine.executor.model_runner.input_batch.pending_prompt_logprobs
 
 
 def test_a_request_that_asks_takes_no_prefix_hit(tmp_path) -> None:

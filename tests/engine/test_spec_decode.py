@@ -27,13 +27,13 @@ from engine import LLM, SamplingParams
 from engine.entrypoints.engine_core import CoreStats
 from engine.entrypoints.metrics import ServerMetrics
 from engine.kv.hashing import chain_hash
-from engine.sequence import Sequence
-from engine.spec_decode import Draft, SpeculativeConfig
+from engine.spec_decode import Draft, DraftRequest, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer, propose_ngram
 from engine.stats import EngineStats, SpecDecodeStats
 from engine.utils import cdiv
 from tests.engine.chi_square import chi_square
 from tests.engine.conftest import VOCAB, random_prompts
+from tests.engine.test_drafts import use_proposer
 from tests.engine.test_rejection_sampler import reference_filter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,8 +106,8 @@ def test_ngram_prefers_the_longest_suffix_and_its_most_recent_occurrence() -> No
 
 def test_ngram_proposer_drafts_only_where_a_match_exists() -> None:
     seqs = [
-        Sequence("a", [1, 2, 3, 1, 2], SamplingParams()),
-        Sequence("b", [1, 2], SamplingParams()),
+        DraftRequest("a", SamplingParams(), 0, 2, [1, 2, 3, 1, 2]),
+        DraftRequest("b", SamplingParams(), 0, 2, [1, 2]),
     ]
     drafts = NgramProposer(3, 2, 4).propose(seqs)
     assert drafts == {"a": Draft([3, 1, 2])}
@@ -237,7 +237,7 @@ class SampledProposer:
         logits[self.boost.get(context, torch.randint(self.vocab, (6,), generator=g))] += 4
         return logits.softmax(-1)
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+    def propose(self, seqs: list[DraftRequest]) -> dict[str, Draft]:
         drafts = {}
         for seq in seqs:
             context, tokens, rows = tuple(seq.token_ids), [], []
@@ -256,7 +256,7 @@ class SampledProposer:
 
 def with_proposer(path, prompts, params, proposer, **kwargs) -> tuple[LLM, list]:
     llm = LLM(path, dtype="float32", **kwargs)
-    llm.llm_engine.scheduler.proposer = proposer
+    use_proposer(llm, proposer)
     return llm, llm.generate(prompts, params, use_tqdm=False)
 
 

@@ -79,7 +79,16 @@ def near_draft(qwen3, tmp_path_factory):
 
 
 def free_draft_blocks(llm: LLM) -> tuple[int, int]:
-    kv = llm.llm_engine.scheduler.proposer.kv
+    """The draft's free blocks and all its blocks, once the model runner has heard
+    of every finish. The runner hears of a finish with the next step's
+    SchedulerOutput (finished_req_ids), so after the last step the draft may
+    still hold blocks, but only those of requests that finished since: the
+    scheduler's list of them is what that next step would send."""
+    engine = llm.llm_engine
+    drafter = engine.executor.model_runner.drafter
+    kv = drafter.proposer.kv
+    assert set(kv.shadows) <= set(engine.scheduler.finished_req_ids)
+    drafter.forget(engine.scheduler.finished_req_ids)
     return kv.blocks.num_free_blocks, len(kv.blocks.blocks)
 
 

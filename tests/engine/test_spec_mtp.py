@@ -161,8 +161,8 @@ def test_each_kept_draft_is_the_module_s_over_the_whole_sequence(k: int, block_s
     while engine.has_unfinished_requests():
         engine.step()
         for seq in engine.scheduler.running:
-            if seq.runner_drafts and seq.runner_drafts_at == seq.num_tokens:
-                kept[tuple(seq.token_ids)] = seq.runner_drafts
+            if seq.spec_token_ids and seq.spec_at == seq.num_tokens:
+                kept[tuple(seq.token_ids)] = seq.spec_token_ids
     s = llm.stats
     assert s.preemptions > 0 and s.partial_prefills > 0 and s.prefix_cache_hit_tokens > 0
     assert 0 < s.spec_decode.num_accepted_tokens < s.spec_decode.num_draft_tokens

@@ -144,7 +144,7 @@ def test_no_request_state_outlives_its_request(served: tuple[str, AsyncLLM]) -> 
     scheduler, blocks = engine.scheduler, engine.block_manager
     assert (len(llm.sinks), len(llm.timing), len(llm.processor.states)) == (0, 0, 0)
     assert (len(scheduler.requests), len(scheduler.waiting), len(scheduler.running)) == (0, 0, 0)
-    assert (len(scheduler.loading), len(scheduler.saving)) == (0, 0)
+    assert (len(scheduler.kv.loading), len(scheduler.kv.saving)) == (0, 0)
     # The model runner forgets a request at the step after it finished: only the
     # last one is left, its id waiting for the next step.
     assert set(engine.executor.model_runner.requests) <= {last_id}
