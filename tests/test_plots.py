@@ -9,6 +9,7 @@ one that no page shows, fails too.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -80,3 +81,10 @@ def test_every_image_a_page_shows_is_a_generated_plot() -> None:
             if not IMAGE.search(f"]({src})"):
                 strays.append(f"{rel(page)}: {src}")
     assert not strays, "images that no plot script draws:\n" + "\n".join(strays)
+
+
+def test_a_measured_plot_names_its_machine() -> None:
+    """A plot of one machine's timings says in its title which machine ran them."""
+    run = json.loads((ROOT / "snippets" / "plots" / "data" / "pd_bench.json").read_text())
+    svg = runner.plot_target(ROOT / "snippets" / "plots" / "pd_bench.py").read_text()
+    assert run["machine"] and run["machine"] in svg

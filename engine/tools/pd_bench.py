@@ -21,10 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import platform
 import random
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,6 +37,14 @@ from engine.tools.launch import launched
 MODEL = "snippets/models/deepinfer-tiny"
 NAME = "deepinfer-tiny"
 WORKER = ("--dtype", "float32", "--num-kv-blocks", "2048", "--no-compile-decode")
+# The interference workload: SHORT prompts of SHORT_LEN tokens that decode SHORT_OUT
+# tokens each, and LONG prompts of LONG_LEN tokens, one every LONG_EVERY_S seconds.
+SHORT = 24
+SHORT_LEN = 16
+SHORT_OUT = 64
+LONG = 6
+LONG_LEN = 900  # deepinfer-tiny: 1,024 tokens at most
+LONG_EVERY_S = 0.25
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -60,26 +71,35 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], out: int, 
 
 
 async def workload(url: str, seed: int, num_short: int, num_long: int, long_len: int) -> dict:
-    """Short prompts decoding 64 tokens, and long prompts arriving every 0.25 s."""
+    """Short prompts decoding SHORT_OUT tokens, and long prompts arriving every LONG_EVERY_S."""
     rng = random.Random(seed)
     lat: dict = {"ttft": [], "itl": []}
     async with httpx.AsyncClient(timeout=None) as client:
         shorts = [
-            one(client, url, [rng.randrange(3, 500) for _ in range(16)], 64, lat)
+            one(client, url, [rng.randrange(3, 500) for _ in range(SHORT_LEN)], SHORT_OUT, lat)
             for _ in range(num_short)
         ]
         tasks = [asyncio.ensure_future(t) for t in shorts]
         long_lat: dict = {"ttft": [], "itl": []}
         for _ in range(num_long):
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(LONG_EVERY_S)
             prompt = [rng.randrange(3, 500) for _ in range(long_len)]
             tasks.append(asyncio.ensure_future(one(client, url, prompt, 4, long_lat)))
         await asyncio.gather(*tasks)
     return {"short": lat, "long": long_lat}
 
 
-def interference(args: argparse.Namespace) -> None:
-    """Two colocated workers against one prefill and one decode worker."""
+ROWS = [
+    ("short TTFT", "short", "ttft"),
+    ("short ITL", "short", "itl"),
+    ("long TTFT", "long", "ttft"),
+]
+QUANTILES = (0.5, 0.99)
+
+
+def measure_interference(args: argparse.Namespace) -> dict:
+    """Two colocated workers against one prefill and one decode worker: each
+    arrangement's latencies (ms, per group and kind) and the split's accounting."""
     shape = (args.short, args.long, args.long_len)
     with tempfile.TemporaryDirectory() as store:
         pd = ("--kv-store", store)
@@ -97,14 +117,47 @@ def interference(args: argparse.Namespace) -> None:
         ):
             split = asyncio.run(workload(r, args.seed, *shape))
             accounting = transfer_accounting(scrape(p), scrape(d))
+    return {"colocated": colocated, "split": split, "accounting": accounting}
+
+
+def percentiles(measured: dict) -> dict[str, dict[str, list[float]]]:
+    """Each row's p50 and p99, colocated and split: {row: {arrangement: [p50, p99]}}."""
+    return {
+        label: {
+            side: [round(percentile(measured[side][group][kind], q), 1) for q in QUANTILES]
+            for side in ("colocated", "split")
+        }
+        for label, group, kind in ROWS
+    }
+
+
+def machine() -> str:
+    """The CPU this ran on, as /proc/cpuinfo names it, and how many cores it may use."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [ln for ln in lines if ln.startswith("model name")]
+        name = names[0].split(":", 1)[1].strip()
+    except (OSError, IndexError):
+        lines, name = [], platform.machine() or "unknown CPU"
+    flags = " ".join(ln for ln in lines if ln.startswith("flags")) if name else ""
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    return f"{name}{f' ({isa})' if isa else ''}, {len(os.sched_getaffinity(0))} cores"
+
+
+def interference(args: argparse.Namespace) -> None:
+    measured = measure_interference(args)
+    table = percentiles(measured)
     print(f"{'ms':<26}{'p50':>9}{'p99':>9}{'p50':>9}{'p99':>9}")
     print(f"{'':<26}{'colocated':>18}{'prefill/decode':>18}")
-    rows = [("short TTFT", "short", "ttft"), ("short ITL", "short", "itl")]
-    rows.append(("long TTFT", "long", "ttft"))
-    for label, group, kind in rows:
-        cells = [percentile(run[group][kind], q) for run in (colocated, split) for q in (0.5, 0.99)]
-        print(f"{label:<26}" + "".join(f"{c:9.1f}" for c in cells))
-    print(accounting)
+    for label, cells in table.items():
+        shown = cells["colocated"] + cells["split"]
+        print(f"{label:<26}" + "".join(f"{c:9.1f}" for c in shown))
+    print(measured["accounting"])
+    if args.save:  # one run, kept for a plot (snippets/plots/pd_bench.py)
+        workload = {"short": args.short, "long": args.long, "long_len": args.long_len}
+        record = {"machine": machine(), "workload": workload, "ms": table}
+        record["accounting"] = measured["accounting"].splitlines()
+        Path(args.save).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -175,11 +228,12 @@ def break_even(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["interference", "store", "break-even", "all"])
-    parser.add_argument("--short", type=int, default=24, help="short requests")
-    parser.add_argument("--long", type=int, default=6, help="long prompts arriving")
-    parser.add_argument("--long-len", type=int, default=900)  # deepinfer-tiny: 1,024 at most
+    parser.add_argument("--short", type=int, default=SHORT, help="short requests")
+    parser.add_argument("--long", type=int, default=LONG, help="long prompts arriving")
+    parser.add_argument("--long-len", type=int, default=LONG_LEN)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", help="write the interference run's percentiles to this JSON")
     args = parser.parse_args(argv)
     parts = {"interference": interference, "store": store_throughput, "break-even": break_even}
     for name, part in parts.items():
