@@ -46,6 +46,15 @@ NEUTRAL = {
 }
 
 
+# A chat field a refusal names, and the Responses field it came from.
+CHAT_TO_RESPONSES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text",
+}
+
+
 class InputText(BaseModel):
     type: Literal["input_text", "output_text"]  # an assistant's earlier turn: output_text
     text: str
@@ -223,6 +232,13 @@ class Responses:
         self.serving = serving
 
     async def create(self, req: ResponsesRequest, request_id: str):
+        try:
+            return await self._create(req, request_id)
+        except OpenAIError as err:  # the chat path names its own fields: name ours
+            err.param = CHAT_TO_RESPONSES.get(err.param, err.param)
+            raise
+
+    async def _create(self, req: ResponsesRequest, request_id: str):
         req.refuse_the_rest()
         chat = req.chat()
         serving = self.serving

@@ -142,3 +142,17 @@ def test_neutral_values_are_taken(client) -> None:
         model=MODEL, input="hi", max_output_tokens=2, store=False, truncation="disabled"
     )
     assert reply.usage.output_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"input": "block " * 200}, "input"),
+        ({"input": "hi", "max_output_tokens": 1000}, "max_output_tokens"),
+    ],
+)
+def test_refusals_name_the_responses_fields(client, kw, field) -> None:
+    """The request runs as a chat, but a refusal names the field the client sent."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, **kw)
+    assert err.value.body["param"] == field
