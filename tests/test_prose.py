@@ -309,6 +309,11 @@ OUTSIDE_NAMES = {
     "VLLM_BATCH_INVARIANT",
     "NixlConnector",  # vLLM's KV connectors, Chapter 8
     "LMCacheConnectorV1",
+    "save_kv_layer",  # vLLM's KV connector interface, cited in Chapter 8
+    "wait_for_save",
+    "get_finished",
+    "calculate_kv_scales",  # vLLM's FP8 KV-cache option, cited in Chapter 6
+    "hash_moe",  # transformers' name for DeepSeek-V4's hash-routed layers, cited in Chapter 6
 }
 OUTSIDE_PREFIXES = ("torch.", "F.", "nn.", "tl.", "triton.", "np.", "math.", "random.")
 FILE_SUFFIX = re.compile(r"\.(py|json|md|txt|out|svg|yml|yaml|toml|safetensors|cfg|ipynb)$")
