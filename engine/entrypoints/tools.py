@@ -126,19 +126,19 @@ class ToolCalls:
         return self._feed_array(text)
 
     def _feed_named(self, text: str) -> list[ToolCallDelta]:
-        deltas = []
+        """The call's arguments as they are written; its first delta carries its
+        id, type and name too."""
+        new = text[self.read :]
+        self.read = len(text)
         if not self.calls:
-            self.calls.append(ToolCall(id=call_id(), function=FunctionCall(name=self.mode.name)))
-            first = FunctionCallDelta(name=self.mode.name, arguments="")
-            deltas.append(
-                ToolCallDelta(index=0, id=self.calls[0].id, type="function", function=first)
-            )
-        if len(text) > self.read:
-            new = text[self.read :]
-            self.calls[0].function.arguments += new
-            self.read = len(text)
-            deltas.append(ToolCallDelta(index=0, function=FunctionCallDelta(arguments=new)))
-        return deltas
+            call = ToolCall(id=call_id(), function=FunctionCall(name=self.mode.name, arguments=new))
+            self.calls.append(call)
+            first = FunctionCallDelta(name=self.mode.name, arguments=new)
+            return [ToolCallDelta(index=0, id=call.id, type="function", function=first)]
+        if not new:
+            return []
+        self.calls[0].function.arguments += new
+        return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=new))]
 
     def _feed_array(self, text: str) -> list[ToolCallDelta]:
         """Each element of the array once it is whole; the grammar makes the text

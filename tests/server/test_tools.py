@@ -82,6 +82,8 @@ def streamed_calls(client, **kw) -> tuple[list[tuple[str, str]], str, str]:
     for chunk in ask(client, stream=True, **kw):
         for c in chunk.choices:
             content += c.delta.content or ""
+            indexes = [d.index for d in c.delta.tool_calls or []]
+            assert len(indexes) == len(set(indexes)), "one delta per call in a chunk"
             for d in c.delta.tool_calls or []:
                 if d.id is not None:
                     assert d.index not in ids, "a call's id comes with its first delta only"
