@@ -77,9 +77,10 @@ PATHS = {"gemv": gemv, "tiles": fp8_tiled_linear, "dispatch": fp8_linear}
 @pytest.mark.parametrize(
     "path", [pytest.param("gemv", marks=needs_csrc), "tiles", "dispatch"], ids=str
 )
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [1, 3, 9, 17])
 @pytest.mark.parametrize("shape", [(160, 576), (700, 130), (2, 129), (17, 15)], ids=str)
-def test_linear_matches_float64(tokens, shape, path, monkeypatch) -> None:
+def test_linear_matches_float64(tokens, shape, path, dtype, monkeypatch) -> None:
     """Within float32 rounding of the float64 product, by the C++ operator (block
     sums times scales; activation rows in passes of 8, a tail of columns short of
     16), by tiles of dequantized rows (with a small tile, the row-tile loop and a
@@ -92,13 +93,15 @@ def test_linear_matches_float64(tokens, shape, path, monkeypatch) -> None:
     q = random_fp8(rows, cols, g)
     s = (torch.rand(-(-rows // BLOCK), -(-cols // BLOCK), generator=g) + 0.01) * 2.0**-6
     s[0, 0] = 0.0  # a zero scale: that block contributes nothing
-    x = torch.randn(tokens, cols, generator=g)
-    bias = torch.randn(rows, generator=g)
+    x = torch.randn(tokens, cols, generator=g).to(dtype)
+    bias = torch.randn(rows, generator=g).to(dtype)
     y = PATHS[path](x, q, expand_block_scales(s, rows), bias)
     w = reference_weight(q, s)
     expected = x.double() @ w.T + bias.double()
     bound = (x.double().abs() @ w.abs().T + bias.double().abs()) * cols * 2.0**-23
-    assert y.dtype == torch.float32 and y.shape == (tokens, rows)
+    if dtype == torch.bfloat16:  # and the result's rounding to bfloat16, and the bias add's
+        bound = bound * 2.0**16 / cols + expected.abs() * 2.0**-7
+    assert y.dtype == dtype and y.shape == (tokens, rows)
     assert ((y.double() - expected).abs() <= bound + 1e-30).all()
 
 
