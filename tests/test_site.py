@@ -283,7 +283,7 @@ def test_plots_are_readable_on_a_phone_and_follow_the_scheme(open_page, site, sc
     assert_clean(page)
 
 
-FIGURE_BOXES = "claim-code, claim-deepseek, claim-model, predict, output, success"
+FIGURE_BOXES = "claim-code, claim-deepseek, claim-model, claim-built, predict, output, success"
 ADMONITION_TEXT = f"""() => {{
   const size = el => parseFloat(getComputedStyle(el).fontSize);
   const body = size(document.querySelector('.md-content__inner > p'));
