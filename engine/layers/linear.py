@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.heap import trim_heap
+
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward, from a weight in oneDNN's blocked layout."""
@@ -100,8 +102,10 @@ def pack_linears(model: nn.Module) -> int:
     ]
     packed = 0
     for parent, name, child in places:  # each old weight is freed as soon as its copy
-        if id(child.weight) not in shared:  # is made, and its memory reused
+        if id(child.weight) not in shared:  # is made, and its memory given back
             setattr(parent, name, PackedLinear(child))
+            child.weight.data = torch.zeros((), dtype=child.weight.dtype).expand(child.weight.shape)
+            trim_heap()
             packed += 1
         elif child.weight.dtype == torch.bfloat16:
             setattr(parent, name, SharedWeightLinear(child))

@@ -22,7 +22,7 @@ from engine.layers.quantization.fp8_loading import (
     fp8_weights,
     quantize_modules,
 )
-from engine.layers.quantization.int_linear import quantize_weights
+from engine.layers.quantization.int_loading import quantize_as_loaded, quantize_weights
 from engine.models.base import CausalLM
 from engine.models.registry import build_model
 
@@ -99,12 +99,14 @@ def load_model(config: EngineConfig, local_experts: list[list[int]] | None = Non
     if local_experts is not None:
         model.place_experts(local_experts)
         wanted = model.wants_weight
+    weights = model_weights(path, model, wanted)
+    method, dtype, plain = config.quantization, config.dtype, model.plain_linears
+    if method is not None:  # each layer quantized once loaded, its weight freed
+        weights = quantize_as_loaded(weights, model, method, dtype, model.weight_target, plain)
     with torch.no_grad():
-        model.load_weights(model_weights(path, model, wanted))
-        if config.quantization is not None:
-            left = quantize_weights(model, config.quantization, config.dtype, model.plain_linears)
-            if left:
-                logger.info("%s leaves these layers unquantized: %s", config.quantization, left)
+        model.load_weights(weights)
+        if method is not None and (left := quantize_weights(model, method, dtype, plain)):
+            logger.info("%s leaves these layers unquantized: %s", method, left)
     return model.eval().requires_grad_(False)
 
 

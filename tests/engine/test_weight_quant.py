@@ -165,3 +165,54 @@ def test_the_command_line_passes_quantization_on(tmp_path) -> None:
         assert parse([*command, "--quantization", "int8"]).quantization == "int8"
     with pytest.raises(SystemExit):
         parse(["serve", model, "--quantization", "fp4"])
+
+
+def test_layers_are_quantized_as_their_weights_arrive(tmp_path) -> None:
+    """While the checkpoint streams in, each layer is quantized once its last part
+    (q, k or v of a fused layer) is copied and its full-precision weight freed: the
+    whole model is never held in full precision at once."""
+    from engine.config import EngineConfig
+    from engine.layers.quantization.int_linear import Int8Linear
+    from engine.layers.quantization.int_loading import quantize_as_loaded
+    from engine.models.loader import iterate_weights
+    from engine.models.registry import build_model
+
+    build_checkpoint("llama", tmp_path / "model")
+    model = build_model(EngineConfig(str(tmp_path / "model"), dtype="float32").hf_config)
+    dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
+    stream = iterate_weights(tmp_path / "model")
+    quantizing = quantize_as_loaded(stream, model, "int8", torch.float32, model.weight_target)
+    counts = []
+
+    def watched():
+        for item in quantizing:
+            counts.append(sum(isinstance(m, Int8Linear) for m in model.modules()))
+            yield item
+
+    with torch.no_grad():
+        model.load_weights(watched())
+    layers = len(dense) - 1  # all but the output head
+    assert counts[-1] == layers and 0 < counts[len(counts) // 2] < layers
+    freed = [w for w in dense if w.untyped_storage().nbytes() <= 4]
+    assert len(freed) == layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_quantized_by_slices_of_rows_equal_the_whole(dtype) -> None:
+    """Int8Linear and Int4Linear quantize 256 rows at a time (small temporaries):
+    the same codes, scales and outputs as quantizing the layer whole, with a bias."""
+    from engine.layers.quantization.int_linear import Int4Linear, Int8Linear
+
+    g = torch.Generator().manual_seed(torch.seed())
+    linear = torch.nn.Linear(384, 592, dtype=dtype)  # 592 rows: slices of 256, 256, 80
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(592, 384, generator=g))
+    x = torch.randn(3, 384, generator=g).to(dtype)
+    q8, s8 = int8_quantize(linear.weight.detach(), dtype)
+    layer8 = Int8Linear(linear)
+    assert torch.equal(layer8.weight, q8) and torch.equal(layer8.weight_scale, s8)
+    assert torch.equal(layer8(x), int8_linear(x, q8, s8) + linear.bias)
+    packed, table = int4_pack(*int4_quantize(linear.weight.detach(), 128, dtype), dtype)
+    layer4 = Int4Linear(linear, 128)
+    assert torch.equal(layer4.weight, packed) and torch.equal(layer4.weight_scales_zeros, table)
+    assert torch.equal(layer4(x), int4_linear(x, packed, table) + linear.bias)

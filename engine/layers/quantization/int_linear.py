@@ -27,7 +27,7 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scales = int8_quantize(linear.weight.detach(), linear.weight.dtype)
+        q, scales = by_rows(lambda w: int8_quantize(w, w.dtype), linear.weight.detach())
         self.weight, self.weight_scale = frozen(q), frozen(scales)
         self.bias = linear.bias
 
@@ -44,8 +44,10 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         dtype = linear.weight.dtype
-        q, scales = int4_quantize(linear.weight.detach(), group, dtype)
-        packed, table = int4_pack(q, scales, dtype)
+        packed, table = by_rows(
+            lambda w: int4_pack(*int4_quantize(w, group, dtype), dtype), linear.weight.detach()
+        )
+        table = table.transpose(0, 1).contiguous()  # [groups, rows, 2], as torch reads it
         self.weight, self.weight_scales_zeros = frozen(packed), frozen(table)
         self.bias = linear.bias
 
@@ -53,6 +55,19 @@ class Int4Linear(nn.Module):
         y = int4_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scales_zeros)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+ROWS = 256  # rows quantized at a time: float32 temporaries of a few rows, not a layer
+
+
+def by_rows(quantize, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` over slices of ROWS rows (each row's numbers depend on that row
+    alone), results stacked by row: quantize's (codes, scales), with int4's
+    scale table given as [rows, groups, 2] so that it stacks by row too."""
+    parts = [quantize(w[r : r + ROWS]) for r in range(0, w.shape[0], ROWS)]
+    codes = torch.cat([p[0] for p in parts])
+    scales = [p[1] if p[1].dim() < 3 else p[1].transpose(0, 1) for p in parts]
+    return codes, torch.cat(scales).contiguous()
 
 
 def int4_fits(rows: int, cols: int) -> bool:
@@ -95,43 +110,3 @@ def quantized(linear: nn.Linear, method: str) -> nn.Module:
     if method == "int8":
         return Int8Linear(linear)
     return Int4Linear(linear, int4_group(linear.in_features))
-
-
-def quantize_weights(
-    model: nn.Module, method: str, dtype: torch.dtype, plain: tuple[str, ...] = ()
-) -> list[str]:
-    """Replace the model's linear layers and routed experts by int8 or int4 ones,
-    each freed as soon as its copy is made. Left as they are: the output head (as
-    vLLM leaves it), layers another shares a weight with, ``plain`` ones (read by
-    weight), layers in another dtype than the model's, and, for int4, layers
-    whose shape torch's layout cannot hold. Returns the names of the last."""
-    shared = {id(p) for p in _shared(model)}
-    misfits = []
-    # Names, not modules: a list of the modules would keep every replaced layer alive.
-    for parent_name in [n for n, _ in model.named_modules()]:
-        parent = model.get_submodule(parent_name)
-        for name in [n for n, _ in parent.named_children()]:
-            child = parent.get_submodule(name)
-            full = f"{parent_name}.{name}".lstrip(".")
-            if type(child) is Experts:
-                shapes = [w.shape[1:] for w in (child.gate_up_proj, child.down_proj)]
-                if method == "int4" and not all(int4_fits(*s) for s in shapes):
-                    misfits.append(full)
-                    continue
-                setattr(parent, name, IntExperts.replacing(child, method))
-            elif type(child) is nn.Linear:
-                w = child.weight
-                if name in ("lm_head", *plain) or id(w) in shared or w.dtype != dtype:
-                    continue
-                if method == "int4" and not int4_fits(*w.shape):
-                    misfits.append(full)
-                    continue
-                setattr(parent, name, quantized(child, method))
-    return misfits
-
-
-def _shared(model: nn.Module) -> list[torch.Tensor]:
-    seen: dict[int, list] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        seen.setdefault(id(p), []).append(p)
-    return [ps[0] for ps in seen.values() if len(ps) > 1]
