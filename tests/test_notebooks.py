@@ -282,3 +282,20 @@ def test_a_build_without_site_url_links_the_published_site() -> None:
     text = hook.notebook_text(CHAPTERS[0], site)
     assert "127.0.0.1" not in text and "localhost" not in text
     assert f"{site}{Path(CHAPTERS[0].page).stem}/" in text
+
+
+def test_captions_are_numbered_as_the_site_numbers_them() -> None:
+    """A caption inside a recorded output's fold is an Output, numbered apart from
+    the body's figures, as docs/hooks/site.py numbers them."""
+    page = [
+        '??? output "Output"',
+        "    ![plot](x.svg)",
+        "    /// figure-caption",
+        "    A plot.",
+        "    ///",
+        "",
+        "/// figure-caption",
+        "A diagram.",
+        "///",
+    ]
+    assert hook._caption_numbers(page, 5) == {2: ("output", "5.1"), 6: ("figure", "5.1")}

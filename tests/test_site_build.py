@@ -100,11 +100,18 @@ def test_figures_and_tables_are_numbered_per_chapter(site) -> None:
                 figure = next((a for a in element.ancestors() if a.tag == "figure"), None)
                 if figure is None or f"book-{kind}" not in figure.classes:
                     problems.append(f"/{url}: a {kind} with no caption: {element.attrs}")
-        numbers: dict[str, list[str]] = {"figure": [], "table": []}
+        # A figure inside a recorded output's fold is an "Output", numbered apart, so that
+        # the figures of the body, seen without unfolding anything, have no gaps.
+        numbers: dict[str, list[str]] = {"figure": [], "table": [], "output": []}
         for figure in page.find_all(lambda e: e.tag == "figure" and "id" in e.attrs):
             kind = figure.attrs["id"].split("-")[0]
             caption = figure.find_all(lambda e: "caption-prefix" in e.classes)
             numbers[kind].append(caption[0].text() if caption else "")
+            folded = any(a.tag == "details" and "output" in a.classes for a in figure.ancestors())
+            if folded != (kind == "output"):
+                problems.append(
+                    f"/{url}: {figure.attrs['id']} is {'in' if folded else 'out of'} a fold"
+                )
         for kind, found in numbers.items():
             want = [
                 f"{kind.title()} {f'{label}.' if label else ''}{i}."

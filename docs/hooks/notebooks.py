@@ -144,8 +144,8 @@ def to_notebook_markdown(lines: list[str], first: int, ctx: dict) -> list[str]:
                 i += 1
         elif m := CAPTION.match(line):
             end = lines.index("///", i + 1)
-            number = ctx["captions"][first + i]
-            out.append(_caption_line(m["kind"], number, lines[i + 1 : end], ctx["page_url"]))
+            kind, number = ctx["captions"][first + i]
+            out.append(_caption_line(kind, number, lines[i + 1 : end], ctx["page_url"]))
             i = end
         elif m := ADMONITION.match(line):
             end = _block_end(lines, i + 1)
@@ -181,15 +181,21 @@ def _squeeze(lines: list[str]) -> list[str]:
     return out
 
 
-def _caption_numbers(lines: list[str], chapter: int) -> dict[int, str]:
-    """Line index -> "7.2": figures and tables are numbered per chapter in page order,
-    as docs/hooks/site.py numbers them."""
-    counts = {"figure": 0, "table": 0}
-    numbers = {}
+def _caption_numbers(lines: list[str], chapter: int) -> dict[int, tuple[str, str]]:
+    """Line index -> ("figure", "7.2"): figures and tables are numbered per chapter in
+    page order, those inside a recorded output's fold apart as "output", as
+    docs/hooks/site.py numbers them."""
+    counts = {"figure": 0, "table": 0, "output": 0}
+    numbers, folded = {}, False
     for i, line in enumerate(lines):
+        if line.startswith("??? output"):
+            folded = True
+        elif line.strip() and not line.startswith("    "):
+            folded = False
         if m := CAPTION.match(line.strip()):
-            counts[m["kind"]] += 1
-            numbers[i] = f"{chapter}.{counts[m['kind']]}"
+            kind = "output" if folded else m["kind"]
+            counts[kind] += 1
+            numbers[i] = (kind, f"{chapter}.{counts[kind]}")
     return numbers
 
 

@@ -20,7 +20,9 @@ Figures and tables. Put a caption block after a plot, a Mermaid diagram or a tab
 `pymdownx.blocks.caption` wraps the figure or table and its caption in a <figure>;
 this hook numbers them per chapter in page order, "Figure 2.3" being the third
 figure of Chapter 2 (the Preface is P, appendices are A, B, ...), and gives each an
-id to link to: [Figure 2.3](ch02-blocks-and-preemption.md#figure-2-3). Every plot,
+id to link to: [Figure 2.3](ch02-blocks-and-preemption.md#figure-2-3). A figure inside
+a recorded output's fold answers a Predict box and is numbered apart, "Output 2.1"
+(#output-2-1), so that the body's figures run without gaps. Every plot,
 every diagram and every prose table gets one; tests/test_site_build.py checks it.
 
 Experiment links. Write "Experiment 5" or "Experiments 5 and 6" in prose as plain
@@ -273,11 +275,20 @@ FIGURE = re.compile(r'<figure id="__(?P<kind>figure|table)-caption_[\d_]+"')
 PREFIX = re.compile(r'<span class="caption-prefix">(?:Figure|Table) [\d.]+\.?</span>')
 
 
+def in_folded_output(html: str, pos: int) -> bool:
+    """Whether ``pos`` lies inside a recorded output's fold (``??? output``)."""
+    start = html.rfind('<details class="output"', 0, pos)
+    return start >= 0 and html.find("</details>", start, pos) < 0
+
+
 def number_figures(html: str, label: str | None, where: str) -> str:
-    """Renumber the caption extension's per-page "Figure 3." as "Figure 2.3"."""
-    out, pos, counts = [], 0, {"figure": 0, "table": 0}
+    """Renumber the caption extension's per-page "Figure 3." as "Figure 2.3". A
+    figure inside a recorded output's fold answers a Predict box: it is "Output
+    2.1", in a sequence of its own, so that the body's figures, which a reader
+    sees without unfolding anything, are numbered without gaps."""
+    out, pos, counts = [], 0, {"figure": 0, "table": 0, "output": 0}
     for m in FIGURE.finditer(html):
-        kind = m["kind"]
+        kind = "output" if in_folded_output(html, m.start()) else m["kind"]
         counts[kind] += 1
         number = f"{label}.{counts[kind]}" if label else str(counts[kind])
         prefix = PREFIX.search(html, m.end())
@@ -285,7 +296,8 @@ def number_figures(html: str, label: str | None, where: str) -> str:
             _errors.append(f"{where}: a {kind} caption has no number")
             continue
         out.append(html[pos : m.start()])
-        out.append(f'<figure id="{kind}-{number.lower().replace(".", "-")}" class="book-{kind}"')
+        style = "book-figure book-output" if kind == "output" else f"book-{kind}"
+        out.append(f'<figure id="{kind}-{number.lower().replace(".", "-")}" class="{style}"')
         out.append(html[m.end() : prefix.start()])
         out.append(f'<span class="caption-prefix">{kind.title()} {number}.</span>')
         pos = prefix.end()
