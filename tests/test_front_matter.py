@@ -56,7 +56,7 @@ def test_no_chapter_is_said_to_be_unwritten() -> None:
 
 
 def test_every_architecture_the_engine_loads_is_named() -> None:
-    from engine.models.config import SUPPORTED_ARCHITECTURES
+    from engine.config.model import SUPPORTED_ARCHITECTURES
 
     assert set(SUPPORTED_ARCHITECTURES) == set(ARCHITECTURE_WORDS), "name the new one here"
     engine_paragraph = preface().split("DeepInfer lives in this repository")[1].split("\n\n")[0]

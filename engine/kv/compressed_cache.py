@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from engine.kv.quant import QuantFormat
+from engine.config.kv_format import QuantFormat
 
 
 @dataclass

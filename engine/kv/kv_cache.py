@@ -25,7 +25,8 @@ from typing import Protocol, cast
 import torch
 
 from engine.config import EngineConfig
-from engine.kv.quant import FORMATS, QuantFormat, dequantize, quant_format, quantize
+from engine.config.kv_format import FORMATS, QuantFormat, quant_format
+from engine.kv.quant import dequantize, quantize
 from engine.utils import cdiv
 
 

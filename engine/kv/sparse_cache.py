@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config.kv_format import QuantFormat
 from engine.kv.kv_cache import LatentKV, MLACacheSpec
-from engine.kv.quant import QuantFormat
 from engine.utils import cdiv
 
 

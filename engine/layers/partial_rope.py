@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.config.deepseek_v4 import RopeSpec
 from engine.layers.rotary_embedding import inverse_frequencies
-from engine.models.deepseek_v4_config import RopeSpec
 
 
 class PartialRope(nn.Module):

@@ -23,6 +23,8 @@ from torch import nn
 
 from engine.attention.context import get_forward_context
 from engine.attention.metadata import AttentionMetadata
+from engine.config.deepseek_v4 import CSA, SLIDING
+from engine.config.model import ModelConfig
 from engine.kv.compressed_cache import (
     CompressedAttentionSpec,
     CompressedKV,
@@ -36,8 +38,6 @@ from engine.layers.partial_rope import PartialRope
 from engine.layers.seq_spans import SeqSpan, seq_spans
 from engine.layers.v4_indexer import V4Indexer, visible_rows
 from engine.layers.v4_norm import Float32RMSNorm, unweighted_rms_norm
-from engine.models.config import ModelConfig
-from engine.models.deepseek_v4_config import CSA, SLIDING
 
 
 def sink_attention(

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from engine.config.model import ModelConfig
 from engine.layers.gate import GroupedTopKRouter
 from engine.layers.layernorm import RMSNorm
 from engine.layers.mla import MLAAttention
 from engine.layers.moe import Experts, GatedMLP, MoE
 from engine.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
 from engine.models.base import CausalLM, DecoderLayer, check_complete, copy_checked, never_loaded
-from engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.kv.kv_cache import CachedLayer

@@ -17,10 +17,10 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.config.model import ModelConfig
 from engine.layers.indexer import Indexer
 from engine.layers.mla import SparseMLAAttention
 from engine.layers.rotary_embedding import RotaryEmbedding
-from engine.models.config import ModelConfig
 from engine.models.deepseek_v3 import (
     DeepseekV3Attention,
     DeepseekV3DecoderLayer,

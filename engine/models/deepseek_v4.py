@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.config.deepseek_v4 import HASH_MOE, V4Config
+from engine.config.model import ModelConfig
 from engine.kv.compressed_cache import CompressedCacheLayers, CompressedLayer
 from engine.layers.hyper_connection import HyperConnection, HyperHead
 from engine.layers.moe import Experts
@@ -27,8 +29,6 @@ from engine.layers.v4_attention import V4Attention
 from engine.layers.v4_moe import V4MoE, V4Router
 from engine.layers.v4_norm import Float32RMSNorm
 from engine.models.base import CausalLM, check_complete, copy_checked
-from engine.models.config import ModelConfig
-from engine.models.deepseek_v4_config import HASH_MOE, V4Config
 from engine.models.deepseek_v4_names import Target, target
 
 if TYPE_CHECKING:

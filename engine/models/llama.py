@@ -12,12 +12,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.config.model import ModelConfig
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.models.base import CausalLM, DecoderLayer, check_complete, copy_checked, never_loaded
-from engine.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from engine.config.model import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.models.base import CausalLM
-from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM

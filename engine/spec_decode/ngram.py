@@ -13,7 +13,7 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING
 
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config.speculative import SpeculativeConfig
 from engine.spec_decode.proposer import Draft
 
 if TYPE_CHECKING:

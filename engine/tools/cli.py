@@ -335,7 +335,7 @@ def _add_dtype(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
-    from engine.kv.quant import KV_CACHE_DTYPES
+    from engine.config.kv_format import KV_CACHE_DTYPES
 
     parser.add_argument(
         "--kv-cache-dtype",

@@ -7,7 +7,7 @@ names it, and the book's build hook substitutes it:
 
     {{ result("ch02/demo_prefix_cache", "hit_tokens") }}       112
     {{ result("ch02/e05_fragmentation", "waste", ".1%") }}      50.1%
-    {{ engine("engine/config.py::EngineConfig.block_size") }}   16
+    {{ engine("engine/config/engine.py::EngineConfig.block_size") }}   16
 
 The optional last argument is a Python format spec (``","``, ``".1%"``,
 ``".3f"``...). ``engine(...)`` reads a constant straight from the engine's
@@ -116,7 +116,7 @@ def load_results(root: Path, snippet: str) -> dict[str, Value]:
 
 def engine_constant(root: Path, ref: str) -> Value:
     """A literal the engine's source assigns, found by qualified name:
-    ``engine/config.py::EngineConfig.block_size`` reads the field's default."""
+    ``engine/config/engine.py::EngineConfig.block_size`` reads the field's default."""
     file, sep, qualname = ref.partition("::")
     path = root / file
     if not sep or not file.startswith("engine/") or not path.is_file():

@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config.speculative import SpeculativeConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.config import SpeculativeConfig
 from engine.stats import EngineStats
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: docs/ and engine/

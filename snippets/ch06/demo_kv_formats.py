@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config.kv_format import FORMATS
 from engine.kv.hashing import chain_hash, chain_root
 from engine.kv.kv_cache import FullAttentionSpec, KVCacheSpec, MLACacheSpec
-from engine.kv.quant import FORMATS
 from engine.kv.sparse_cache import IndexedLatentSpec
 from engine.scheduler_output import HOLE
 from engine.utils import cdiv

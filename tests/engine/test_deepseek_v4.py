@@ -459,7 +459,7 @@ def test_legacy_config_fields_read_as_transformers_reads_them(tmp_path) -> None:
     """DeepSeek's own config spellings (compress_ratios, num_hash_layers,
     qk_rope_head_dim, a flat YaRN rope_scaling) give the layout transformers
     derives from them."""
-    from engine.models.deepseek_v4_config import parse_v4
+    from engine.config.deepseek_v4 import parse_v4
 
     legacy = dict(
         num_hidden_layers=4,

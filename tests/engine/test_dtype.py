@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import config as config_module
 from engine.config import EngineConfig
+from engine.config import engine as config_module
 
 TINY = Path(__file__).resolve().parents[2] / "snippets/models/deepinfer-tiny"
 # bf16 keeps 8 bits of mantissa: where fp32's top two logits nearly tie, bf16 may
@@ -26,7 +26,7 @@ def test_cpu_default_dtype_follows_bf16_support(monkeypatch, caplog, fast, expec
     monkeypatch.setattr(config_module, "cpu_has_fast_bf16", lambda: fast)
     config_module.default_cpu_dtype.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger="engine.config"):
+        with caplog.at_level(logging.INFO, logger="engine.config.engine"):
             a = EngineConfig(str(TINY), device="cpu", num_kv_blocks=4)
             b = EngineConfig(str(TINY), device="cpu", num_kv_blocks=4)
     finally:

@@ -23,9 +23,10 @@ import torch
 from engine import LLM, SamplingParams, csrc
 from engine.attention.torch_backend import TorchBackend
 from engine.config import EngineConfig
+from engine.config.kv_format import FORMATS, quant_format
 from engine.kernels import reference
 from engine.kv.kv_cache import FullAttentionSpec, MLACacheSpec, PagedKV, store_kvcache
-from engine.kv.quant import FORMATS, dequantize, error_bound, quant_format, quantize
+from engine.kv.quant import dequantize, error_bound, quantize
 from engine.tools.cpu_attention_bench import decode_only_metadata
 from engine.tools.kernel_bench import random_paged_cache, rel_err
 from tests.conftest import ROOT

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,13 +102,56 @@ def test_the_cycle_finder_finds_a_lazy_import_cycle(tmp_path: Path) -> None:
     assert import_cycles(graph) == [["a", "b"]]
 
 
+def layer_rows() -> list[str]:
+    """The layers, from the top down: the rows of docs/architecture.md's folder table."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## The folders", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `(engine/[\w/.]+)` \|", section, re.M)
+
+
+def row_of(module: str) -> str:
+    """A module's row in that table: its folder, or itself at the root."""
+    part = module.split(".")[1]
+    return f"engine/{part}/" if (ENGINE / part).is_dir() else f"engine/{part}.py"
+
+
+def climbs(graph: dict[str, set[str]], rows: list[str]) -> list[str]:
+    """The imports that reach a row above their own (``rows`` top first). The
+    package itself, whose public names load lazily, is no layer."""
+    height = {row: len(rows) - i for i, row in enumerate(rows)}
+    return sorted(
+        f"{a} ({row_of(a)}) imports {b} ({row_of(b)})"
+        for a, targets in graph.items()
+        for b in targets
+        if "engine" not in (a, b) and height[row_of(b)] > height[row_of(a)]
+    )
+
+
+def test_no_import_climbs_the_layers() -> None:
+    """Every folder and root module is a row of the table, and imports only from its
+    own row and those below: the folder graph has no cycle, and reads bottom-up."""
+    rows = layer_rows()
+    graph = engine_import_graph()
+    assert {row_of(m) for m in graph if m != "engine"} == set(rows)
+    found = climbs(graph, rows)
+    assert not found, "\n".join(found)
+
+
+def test_the_layer_check_finds_a_climb() -> None:
+    """The guard above can fail: kv/ importing sched/ (as it once did, for HOLE) climbs."""
+    graph = {"engine.kv.block_manager": {"engine.sched.scheduler", "engine.utils"}}
+    rows = ["engine/sched/", "engine/kv/", "engine/utils.py"]
+    assert climbs(graph, rows) == [
+        "engine.kv.block_manager (engine/kv/) imports engine.sched.scheduler (engine/sched/)"
+    ]
+
+
 # The modules that may sit at engine/'s root: the public API, the config, the
 # request and what a caller hands in and gets back. Every other module lives in
 # the folder of its part of the step.
 ROOT_MODULES = {
     "__init__.py",  # the lazy public names
     "llm.py",  # LLM, the offline API
-    "config.py",  # EngineConfig
     "sampling_params.py",  # SamplingParams, StructuredOutputsParams
     "sequence.py",  # the request, as the scheduler holds it
     "outputs.py",  # what the engine hands back

@@ -78,7 +78,7 @@ def test_a_deepseek_checkpoint_as_transformers_saves_it_loads_without_mtp(tmp_pa
     model.save_pretrained(tmp_path)  # exactly as save_pretrained writes it: no MTP tensors
     build_tokenizer(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    with caplog.at_level(logging.WARNING, logger="engine.models.config"):
+    with caplog.at_level(logging.WARNING, logger="engine.config.model"):
         llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=16)
     assert [r for r in caplog.records if "without MTP" in r.getMessage()]
     assert llm.llm_engine.config.hf_config.num_mtp_layers == 0
@@ -91,7 +91,7 @@ def test_models_are_built_without_random_draws(qwen3) -> None:
     """Building under no_random_init draws no random number (the checkpoint fills
     every parameter next, or the load is refused), and puts torch's own init back
     afterwards: a layer built outside it is drawn as before."""
-    from engine.models.config import ModelConfig
+    from engine.config.model import ModelConfig
     from engine.models.loader import no_random_init
     from engine.models.registry import build_model
 

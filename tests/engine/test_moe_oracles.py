@@ -27,11 +27,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine import LLM, SamplingParams
+from engine.config.model import ModelConfig
 from engine.distributed.expert_parallel import ExpertParallel, TrafficCounters
 from engine.distributed.placement import ExpertPlacement
 from engine.layers.gate import GroupedTopKRouter
 from engine.layers.moe import MoE
-from engine.models.config import ModelConfig
 from tests.engine.conftest import random_prompts
 from tests.engine.test_moe import HIDDEN, INTER, hf_config
 

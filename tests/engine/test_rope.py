@@ -8,8 +8,8 @@ import torch
 
 from engine.attention.context import forward_context
 from engine.attention.torch_backend import TorchBackend
+from engine.config.model import _rope_scaling
 from engine.layers.rotary_embedding import RotaryEmbedding, attention_factor, inverse_frequencies
-from engine.models.config import _rope_scaling
 
 ROPE_DIM, MAX_POS = 16, 256
 YARN = {  # DeepSeek-V3's own settings, on a shorter original context

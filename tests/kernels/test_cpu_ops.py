@@ -20,9 +20,10 @@ import torch
 
 from engine import csrc
 from engine.attention.torch_backend import TorchBackend
+from engine.config.kv_format import quant_format
 from engine.kernels import reference
 from engine.kv.kv_cache import LatentKV, PagedKV
-from engine.kv.quant import quant_format, quantize
+from engine.kv.quant import quantize
 from engine.tools.cpu_attention_bench import decode_only_metadata
 from engine.tools.kernel_bench import random_paged_cache, rel_err
 from tests.conftest import ROOT

@@ -263,9 +263,10 @@ def test_attention_over_a_quantized_cache(fmt: str, kind: str, seed: int, poison
     """Both kernels read int8 or FP8 codes (FP8 decoded by arithmetic, not a cast)
     and scale them row by row: the result is float64 attention over the numbers
     the codes stand for."""
+    from engine.config.kv_format import FORMATS
     from engine.kv.kv_cache import FullAttentionSpec
     from engine.kv.kv_cache import store_kvcache as store_torch
-    from engine.kv.quant import FORMATS, dequantize
+    from engine.kv.quant import dequantize
 
     num_kv_heads, heads, head_dim, block_size = 2, 4, 64, 16
     lens = [1, KV_SPLIT_SIZE + random.randint(1, 50), random.randint(2, 120)]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import csrc
-from engine.layers.quantization.fp8_format import BLOCK
+from engine.config.fp8_format import BLOCK
 from engine.utils import cdiv
 
 FP8 = torch.float8_e4m3fn

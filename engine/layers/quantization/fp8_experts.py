@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.config.fp8_format import BLOCK
 from engine.layers.moe import Experts
 from engine.layers.quantization.fp8 import FP8, fp8_linear
-from engine.layers.quantization.fp8_format import BLOCK
 from engine.utils import cdiv
 
 STACKED = ("gate_up_proj", "down_proj")

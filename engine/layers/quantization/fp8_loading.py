@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.config.fp8_format import BLOCK, Fp8Format
 from engine.layers.moe import Experts
 from engine.layers.quantization.fp8 import FP8, Fp8Linear, dequantize, expand_block_scales
 from engine.layers.quantization.fp8_experts import Fp8Experts
-from engine.layers.quantization.fp8_format import BLOCK, Fp8Format
 from engine.utils import cdiv
 
 SCALE = "_scale_inv"  # DeepSeek's suffix: weight = stored values times this

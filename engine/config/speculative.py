@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.models.config import ModelConfig
+    from engine.config.model import ModelConfig
 
 METHODS = ("ngram", "draft_model", "mtp")
 SCHEDULES = ("fixed", "confidence")  # how many drafts to verify (verify_length.py)

@@ -1,5 +1,5 @@
 """Configuration: how the engine serves one model. What the checkpoint says about
-the model is in models/config.py."""
+the model is in config/model.py."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from engine.kv.quant import quant_format
-from engine.models.config import ModelConfig
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config.kv_format import quant_format
+from engine.config.model import ModelConfig
+from engine.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

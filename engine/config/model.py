@@ -9,8 +9,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.layers.quantization.fp8_format import Fp8Format, fp8_format
-from engine.models.deepseek_v4_config import HASH_MOE, V4_ARCHITECTURE, V4Config, parse_v4
+from engine.config.deepseek_v4 import HASH_MOE, V4_ARCHITECTURE, V4Config, parse_v4
+from engine.config.fp8_format import Fp8Format, fp8_format
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     num_mtp_layers: int = 0  # multi-token prediction modules stored after the layers
     dsa: DSAConfig | None = None  # DeepSeek-V3.2 only
-    v4: V4Config | None = None  # DeepSeek-V4 only (engine/models/deepseek_v4_config.py)
+    v4: V4Config | None = None  # DeepSeek-V4 only (engine/config/deepseek_v4.py)
     fp8: Fp8Format | None = None  # block-scaled FP8 weights (quantization_config)
 
     def routed_experts(self) -> RoutedExperts | None:
