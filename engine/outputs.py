@@ -61,7 +61,7 @@ class ModelRunnerOutput:
     draft_confidence: list[tuple[float, ...] | None] | None = None
     # Per request that asked for prompt logprobs and samples its first token this
     # step: a row per prompt token after the first, the prompt's token in column 0
-    # (engine/runner/prompt_logprobs.py). None when no request's are due.
+    # (engine/sample/prompt_logprobs.py). None when no request's are due.
     prompt_logprobs: dict[str, LogprobsTensors] | None = None
     _rows: list[TokenRow] | None = field(default=None, init=False, repr=False, compare=False)
 

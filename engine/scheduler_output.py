@@ -36,7 +36,7 @@ class NewRequestData:
 
     req_id: str
     sampling_params: SamplingParams
-    seed: int  # the request's own random stream (see layers/sampler.py)
+    seed: int  # the request's own random stream (see sample/sampler.py)
     num_prompt_tokens: int  # so that the runner knows each sampled token's output position
     # For a repetition penalty, and for prompt logprobs (the tokens they score).
     prompt_token_ids: list[int] = field(default_factory=list)

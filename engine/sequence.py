@@ -36,7 +36,7 @@ class Sequence:
         self.seq_id = next(Sequence._arrivals)  # arrival order: lower is older
         self.request_id = request_id
         self.params = params  # when to stop, and how the model runner samples
-        self.seed = seed  # the request's own random stream (see layers/sampler.py)
+        self.seed = seed  # the request's own random stream (see sample/sampler.py)
         self.token_ids = list(token_ids)  # prompt, then every generated token
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0  # tokens whose K and V are in the cache

@@ -11,8 +11,8 @@ RESULTS = """\
     engine.kv.block_manager.xǁBlockManagerǁfree__mutmut_2: survived
     engine.kv.block_manager.x_chain_hash__mutmut_1: timeout
     engine.kv.block_manager.x_chain_hash__mutmut_2: no tests
-    engine.layers.sampler.x_sample__mutmut_1: skipped
-    engine.layers.sampler.x_sample__mutmut_2: not checked
+    engine.sample.sampler.x_sample__mutmut_1: skipped
+    engine.sample.sampler.x_sample__mutmut_2: not checked
 """
 
 
@@ -25,5 +25,5 @@ def test_a_module_is_scored_on_the_mutants_it_judged() -> None:
         "engine.kv.block_manager.xǁBlockManagerǁfree__mutmut_2: survived",
         "engine.kv.block_manager.x_chain_hash__mutmut_2: no tests",
     ]
-    assert modules["engine.layers.sampler"].judged == 0
-    assert "engine.layers.sampler                  0      0     0      -" in score.report(modules)
+    assert modules["engine.sample.sampler"].judged == 0
+    assert "engine.sample.sampler                  0      0     0      -" in score.report(modules)

@@ -17,12 +17,12 @@ from typing import Protocol
 import torch
 
 from engine.distributed.expert_parallel import broadcast_from_rank0
-from engine.layers.sampler import RandomRows, SamplingRow
 from engine.outputs import ModelRunnerOutput
 from engine.runner.input_batch import CachedRequestState, ModelInput, PreparedStep
+from engine.sample.rejection_sampler import DraftCheck, SampledDrafts
+from engine.sample.sampler import RandomRows, SamplingRow
 from engine.spec_decode.mtp import MTPProposer
 from engine.spec_decode.proposer import NO_DRAFT, DraftProposer, DraftRequest
-from engine.spec_decode.rejection_sampler import DraftCheck, SampledDrafts
 from engine.utils import to_device
 
 

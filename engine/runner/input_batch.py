@@ -14,9 +14,10 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata, decode_query_len
 from engine.kv.kv_cache import KVCachePool
-from engine.layers.penalties import prompt_mask
-from engine.layers.sampler import GrammarMask, SamplingMetadata, SamplingRow
-from engine.runner.prompt_logprobs import PromptLogprobs, PromptRows, prompt_rows
+from engine.sample.penalties import prompt_mask
+from engine.sample.prompt_logprobs import PromptLogprobs, PromptRows, prompt_rows
+from engine.sample.rejection_sampler import DraftCheck
+from engine.sample.sampler import GrammarMask, SamplingMetadata, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import (
     HOLE,
@@ -26,7 +27,6 @@ from engine.scheduler_output import (
     SchedulerOutput,
     padded,
 )
-from engine.spec_decode.rejection_sampler import DraftCheck
 from engine.utils import to_device
 
 

@@ -23,7 +23,6 @@ from engine.distributed.rank_experts import RankExperts
 from engine.kv.kv_cache import KVBlocks, KVCacheConfig, KVCachePool
 from engine.layers.batch_invariant import use_fixed_row_tiles
 from engine.layers.linear import can_pack, pack_linears
-from engine.layers.sampler import Sampler, SamplingMetadata, adjust_logits, compute_logprobs
 from engine.models.base import CausalLM
 from engine.models.loader import load_model
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
@@ -33,11 +32,12 @@ from engine.runner.cuda_graph import cuda_graphs_for
 from engine.runner.drafting import Drafter, HiddenDrafts, TokenDrafts, draft_check
 from engine.runner.fast_path import DecodeFastPath
 from engine.runner.input_batch import CachedRequestState, InputBatch, ModelInput, PreparedStep
-from engine.runner.prompt_logprobs import fill_prompt_logprobs
+from engine.sample.prompt_logprobs import fill_prompt_logprobs
+from engine.sample.rejection_sampler import verify_sampled
+from engine.sample.sampler import Sampler, SamplingMetadata, adjust_logits, compute_logprobs
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode.factory import make_proposer
 from engine.spec_decode.mtp import MTPProposer, mtp_target
-from engine.spec_decode.rejection_sampler import verify_sampled
 from engine.stats import EngineStats
 
 

@@ -23,13 +23,13 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig
-from engine.layers.sampler import RandomRows, SamplingRow, argmax, exponential_noise
 from engine.models.loader import load_tokenizer
+from engine.sample.rejection_sampler import target_probs
+from engine.sample.sampler import RandomRows, SamplingRow, argmax, exponential_noise
 from engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.draft_kv import DraftKV
 from engine.spec_decode.proposer import Draft, DraftRequest
-from engine.spec_decode.rejection_sampler import target_probs
 from engine.utils import cdiv
 
 # The draft's race draws token ids 3V..4V of the request's stream at each output

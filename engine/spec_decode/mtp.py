@@ -49,8 +49,8 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.context import forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.kv.kv_cache import KVCachePool
-from engine.layers.sampler import argmax
 from engine.models.base import CausalLM
+from engine.sample.sampler import argmax
 from engine.scheduler_output import ScheduledRequest, padded
 from engine.utils import cdiv, to_device
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow, apply_filters
+from engine.sample.sampler import Sampler, SamplingMetadata, SamplingRow, apply_filters
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1

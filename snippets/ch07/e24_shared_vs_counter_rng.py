@@ -5,7 +5,7 @@ distribution over a toy vocabulary. With one shared stream, each row takes
 the next numbers from it, so a request's draws depend on how many rows come
 before it. With counter-based draws, the uniform for (seed, step, token) is a
 hash of those three numbers alone, derived as DeepInfer's sampler derives it
-(engine/layers/sampler.py, exponential_noise), and the token is the winner of
+(engine/sample/sampler.py, exponential_noise), and the token is the winner of
 an exponential race: argmax of p / E, E = -log(uniform).
 """
 

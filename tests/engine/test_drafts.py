@@ -20,11 +20,11 @@ from engine.kv.block_manager import BlockManager
 from engine.outputs import LogprobsTensors, ModelRunnerOutput
 from engine.runner.compiled_decode import CompiledDecode
 from engine.runner.drafting import TokenDrafts
+from engine.sample.rejection_sampler import DraftCheck
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode import Draft, DraftProposer, DraftRequest
-from engine.spec_decode.rejection_sampler import DraftCheck
 from engine.stats import EngineStats
 from tests.engine.conftest import EOS, VOCAB, random_prompts
 

@@ -54,7 +54,7 @@ def test_graph_replay_matches_eager_and_transformers(qwen3) -> None:
 def test_the_sampler_never_waits_for_the_gpu() -> None:
     """Every filter, seeded draws, greedy rows and logprobs, with CUDA set to
     raise on any host synchronisation: the sampled ids stay on the device."""
-    from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+    from engine.sample.sampler import Sampler, SamplingMetadata, SamplingRow
 
     params = [
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1, logprobs=3),

@@ -1,4 +1,4 @@
-"""The rejection sampler's math (engine/spec_decode/rejection_sampler.py): over an
+"""The rejection sampler's math (engine/sample/rejection_sampler.py): over an
 8-token vocabulary, with a random target and an unrelated random draft, the
 joint distribution of the first three tokens that speculative decoding emits is
 the target's own, computed exactly by enumeration; a chi-square test at
@@ -16,9 +16,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.layers.sampler import RandomRows, SamplingRow
+from engine.sample.rejection_sampler import rejection_sample, target_probs
+from engine.sample.sampler import RandomRows, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection_sampler import rejection_sample, target_probs
 from tests.engine.chi_square import chi_square
 
 V = 8

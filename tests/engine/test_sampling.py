@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow, apply_filters
+from engine.sample.sampler import Sampler, SamplingMetadata, SamplingRow, apply_filters
 from tests.engine.conftest import random_prompts
 
 PROMPTS = random_prompts(8, seed=21)
@@ -321,7 +321,7 @@ def test_a_temperature_near_zero_is_greedy_not_an_overflow() -> None:
 def test_argmax_picks_torch_argmaxs_index_ties_infinities_and_nans_too(dtype, shape) -> None:
     """sampler.argmax (torch.max's index) against torch.argmax, on fresh inputs each
     run: small integers, so that most rows tie, with some infinities and NaNs."""
-    from engine.layers.sampler import argmax
+    from engine.sample.sampler import argmax
 
     gen = torch.Generator().manual_seed(torch.seed())
     for _ in range(5):

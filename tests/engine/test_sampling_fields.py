@@ -10,8 +10,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.layers.penalties import prompt_mask
-from engine.layers.sampler import Sampler, SamplingMetadata, SamplingRow, adjust_logits
+from engine.sample.penalties import prompt_mask
+from engine.sample.sampler import Sampler, SamplingMetadata, SamplingRow, adjust_logits
 from tests.engine.conftest import EOS, VOCAB, random_prompts
 
 

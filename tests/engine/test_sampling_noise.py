@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from engine.layers.sampler import exponential_noise
+from engine.sample.sampler import exponential_noise
 from tests.conftest import ROOT, load_script
 
 e24 = load_script(ROOT / "snippets" / "ch07" / "e24_shared_vs_counter_rng.py", "e24_rng")

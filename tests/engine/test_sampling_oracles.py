@@ -5,7 +5,7 @@
   the sampler's documented noise for (seed, step). Reproducibility, which the
   other tests check, survives a counter that never moves; these tests do not.
 * Logprobs are the model's own, from the logits before any grammar mask
-  (engine/layers/sampler.py, ``Sampler.__call__`` and ``compute_logprobs``),
+  (engine/sample/sampler.py, ``Sampler.__call__`` and ``compute_logprobs``),
   also for a request under structured output.
 * Under chunked prefill, a prompt chunk that does not reach the prompt's end
   samples nothing: it gets no grammar mask row, and the request's output still
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.layers.sampler import exponential_noise
+from engine.sample.sampler import exponential_noise
 from tests.engine.conftest import VOCAB, random_prompts
 
 REGEX = r"(prefill|decode) [0-9]{1,3} tokens"

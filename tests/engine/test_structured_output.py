@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.layers.sampler import GrammarMask, apply_grammar_bitmask
+from engine.sample.sampler import GrammarMask, apply_grammar_bitmask
 from engine.structured_output import StructuredOutputManager
 from tests.conftest import ROOT
 

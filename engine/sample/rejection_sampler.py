@@ -16,7 +16,7 @@ requests never come here either: their p is one-hot at the argmax, so the rule
 is the strict match.
 
 The random draws are the request's own stream, at each draft's output position
-(layers/sampler.py), on token ids no vocabulary reaches, so that they are
+(sample/sampler.py), on token ids no vocabulary reaches, so that they are
 independent of that position's ordinary draw and of each other."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.sampler import RandomRows, apply_filters, argmax, exponential_noise
+from engine.sample.sampler import RandomRows, apply_filters, argmax, exponential_noise
 
 
 @dataclass

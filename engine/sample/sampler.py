@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.logit_bias import LogitBias, apply_logit_bias
-from engine.layers.penalties import Penalties, apply_penalties
 from engine.outputs import LogprobsTensors
+from engine.sample.logit_bias import LogitBias, apply_logit_bias
+from engine.sample.penalties import Penalties, apply_penalties
 from engine.sampling_params import SamplingParams
 from engine.utils import to_device
 
