@@ -12,7 +12,7 @@ The stages, and the methods that run them:
     schedule  Scheduler.schedule
     prepare   ModelRunner.prepare_inputs: the step's inputs, built on the host
     forward   ModelRunner.execute_prepared: the forward pass and sampling
-    update    Scheduler.update_from_output
+    update    Scheduler.update_from_output (sched/fold.py)
     process   OutputProcessor.process_outputs
 
 A span's lane is "main" for the thread that drives the engine and "worker" for

@@ -1,4 +1,4 @@
-"""The KV cache store's Prometheus metrics under `deepinfer:` (Chapter 8).
+"""The KV cache store's Prometheus metrics, named with the `deepinfer:` prefix (Chapter 8).
 
 Counters, from the connector's cumulative stats: its hits (handed-on and
 second-tier prefix hits apart), what failed its checks, bytes moved each way,
