@@ -5,14 +5,16 @@
     python benchmarks/llama_cpp.py --dtypes bfloat16,float32 --input-len 143 --output-len 64
     python benchmarks/llama_cpp.py --dtypes bfloat16 --compile-decode --transformers
     python benchmarks/llama_cpp.py --dtypes bfloat16 --compile-decode --autotune
+    python benchmarks/llama_cpp.py --ggufs f16,bf16,q8_0,q4_0 --quantizations int8,int4
 
 What it does, caching each step under --work (default benchmarks/.work):
 
 1. Downloads the llama-cpp-python source distribution (a pinned version) with pip and
-   builds the llama.cpp it vendors with cmake: only the `llama-batched-bench` tool, for
-   this CPU (GGML_NATIVE).
-2. Converts the model to GGUF with the converter llama.cpp ships, at f16 (llama.cpp's
-   default). deepinfer-tiny's tokenizer is byte-level BPE with GPT-2's pre-tokenizer
+   builds the llama.cpp it vendors with cmake: only the `llama-batched-bench` and
+   `llama-quantize` tools, for this CPU (GGML_NATIVE).
+2. Converts the model to GGUF with the converter llama.cpp ships, at each of --ggufs:
+   f16 (llama.cpp's default), bf16 and q8_0 by the converter, q4_0 by llama-quantize
+   from the f16 file. deepinfer-tiny's tokenizer is byte-level BPE with GPT-2's pre-tokenizer
    regex, which the converter cannot identify by its hash, and it has no tokenizer.model:
    the converter is told both from outside (see `convert`), with no vendored file edited.
    `qwen3-0.6b-shape` is Qwen3-0.6B's config with random weights, built offline.
@@ -21,11 +23,13 @@ What it does, caching each step under --work (default benchmarks/.work):
    DeepInfer runs `LLM.generate` (one process per B and dtype, warmed up first on an
    unrelated batch; with --compile-decode, also with compile_decode=True, whose compile
    happens at start-up, outside the timed run; with --autotune, also compiled under
-   compile_mode="max-autotune"); with --transformers, transformers'
+   compile_mode="max-autotune"; with --quantizations, also each weight-only method,
+   quantization="int8" or "int4", in the first dtype); with --transformers, transformers'
    `generate` runs too, warmed up alike. Each side's time covers prefill and decode; its
    peak RSS is the process's own, from the kernel (wait4).
 
-It prints one table: output tokens/s of each side, their ratio, and peak RSS. One run,
+It prints one table: output tokens/s of each side, each DeepInfer column's ratio to
+the first GGUF, and peak RSS. One run,
 on whatever else the machine is doing: read the ratios, not the absolute numbers, and
 run it on an idle machine. Not part of `make test` (it downloads and builds).
 """
@@ -79,17 +83,18 @@ def llama_source(work: Path) -> Path:
     return tree / "vendor" / "llama.cpp"
 
 
-def build_batched_bench(llama: Path, jobs: int) -> Path:
-    binary = llama / "build" / "bin" / "llama-batched-bench"
-    if not binary.is_file():
+TOOLS = ("llama-batched-bench", "llama-quantize")
+
+
+def build_tools(llama: Path, jobs: int) -> Path:
+    """The folder of the built TOOLS."""
+    bin_dir = llama / "build" / "bin"
+    if not all((bin_dir / tool).is_file() for tool in TOOLS):
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
         flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
         run(["cmake", "-S", str(llama), "-B", str(llama / "build"), *flags])
-        run(
-            ["cmake", "--build", str(llama / "build"), "--target", "llama-batched-bench"]
-            + ["-j", str(jobs)]
-        )
-    return binary
+        run(["cmake", "--build", str(llama / "build"), "--target", *TOOLS] + ["-j", str(jobs)])
+    return bin_dir
 
 
 CONVERT = """
@@ -118,11 +123,26 @@ convert_hf_to_gguf.main()
 """
 
 
-def convert(llama: Path, model: Path, out: Path) -> Path:
+def convert(llama: Path, model: Path, out: Path, outtype: str = "f16") -> Path:
     if not out.is_file():
         run(
             [sys.executable, "-c", CONVERT, str(llama), str(model)]
-            + ["--outfile", str(out), "--outtype", "f16"]
+            + ["--outfile", str(out), "--outtype", outtype]
+        )
+    return out
+
+
+def gguf_file(llama: Path, bin_dir: Path, model: Path, work: Path, kind: str) -> Path:
+    """The model's GGUF of one kind: f16, bf16 and q8_0 from the converter, q4_0 by
+    llama-quantize from the f16 file (the converter writes no Q4_0)."""
+    out = work / f"{model.name}-{kind}.gguf"
+    if kind != "q4_0":
+        return convert(llama, model, out, kind)
+    if not out.is_file():
+        f16 = gguf_file(llama, bin_dir, model, work, "f16")
+        env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+        subprocess.run(
+            [str(bin_dir / "llama-quantize"), str(f16), str(out), "Q4_0"], check=True, env=env
         )
     return out
 
@@ -214,7 +234,7 @@ import json, sys, time
 import torch
 from engine import LLM, SamplingParams
 from engine.tools.bench import random_prompts
-model, dtype, batch, input_len, output_len, threads, compiled = sys.argv[1:8]
+model, dtype, batch, input_len, output_len, threads, compiled, quant = sys.argv[1:9]
 batch, input_len, output_len = int(batch), int(input_len), int(output_len)
 torch.set_num_threads(int(threads))
 # The blocks the batch needs and no more, as llama.cpp gets -c batch * (in + out).
@@ -223,6 +243,7 @@ llm = LLM(
     model, dtype=dtype, max_num_seqs=batch, block_size=16, num_kv_blocks=blocks,
     compile_decode=compiled != "0",
     compile_mode="max-autotune" if compiled == "autotune" else "default",
+    quantization=None if quant == "-" else quant,
 )
 vocab = llm.llm_engine.config.hf_config.vocab_size
 def prompts(n, seed):
@@ -279,6 +300,16 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument(
+        "--ggufs",
+        default="f16",
+        help="llama.cpp's files: any of f16, bf16, q8_0, q4_0; ratios are to the first",
+    )
+    parser.add_argument(
+        "--quantizations",
+        default="",
+        help="also DeepInfer with these weight-only methods (int8, int4), in the first dtype",
+    )
+    parser.add_argument(
         "--compile-decode",
         action="store_true",
         help="also run each dtype with compile_decode=True (its compile is in the warm-up)",
@@ -299,22 +330,29 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
 
     llama = llama_source(args.work)
-    binary = build_batched_bench(llama, args.threads)
+    bin_dir = build_tools(llama, args.threads)
+    binary = bin_dir / "llama-batched-bench"
     if args.model == "deepinfer-tiny":
         model = TINY
     elif args.model == "qwen3-0.6b-shape":
         model = qwen3_shape(args.work)
     else:
         model = Path(args.model)
-    gguf = convert(llama, model, args.work / f"{model.name}-f16.gguf")
+    ggufs = {
+        kind: gguf_file(llama, bin_dir, model, args.work, kind) for kind in args.ggufs.split(",")
+    }
     dtypes = args.dtypes.split(",")
     short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
     # (column label, how to run it); DeepInfer's columns are named by dtype alone
-    sides = [(short.get(d, d), (ENGINE, d, "0")) for d in dtypes]
+    sides = [(short.get(d, d), (ENGINE, d, "0", "-")) for d in dtypes]
     if args.compile_decode:
-        sides += [(f"{short.get(d, d)}+compile", (ENGINE, d, "1")) for d in dtypes]
+        sides += [(f"{short.get(d, d)}+compile", (ENGINE, d, "1", "-")) for d in dtypes]
     if args.autotune:
-        sides += [(f"{short.get(d, d)}+autotune", (ENGINE, d, "autotune")) for d in dtypes]
+        sides += [(f"{short.get(d, d)}+autotune", (ENGINE, d, "autotune", "-")) for d in dtypes]
+    for quant in filter(None, args.quantizations.split(",")):
+        sides.append(
+            (f"{short.get(dtypes[0], dtypes[0])} {quant}", (ENGINE, dtypes[0], "0", quant))
+        )
     if args.transformers:
         sides.append((f"HF {short.get(dtypes[0], dtypes[0])}", (TRANSFORMERS, dtypes[0])))
 
@@ -324,24 +362,27 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f} at start"
     )
     print(
-        "output tokens/s of llama.cpp and of DeepInfer (by dtype, +compile: compile_decode=True,"
-        " +autotune: also compile_mode='max-autotune') and transformers (HF), each side's ratio"
-        " to llama.cpp's, and each process's peak RSS (MB)"
+        "output tokens/s of llama.cpp (by GGUF) and of DeepInfer (by dtype, +compile:"
+        " compile_decode=True, +autotune: also compile_mode='max-autotune', int8/int4: weight-only"
+        " quantization) and transformers (HF), each DeepInfer side's ratio to the first GGUF's,"
+        " and each process's peak RSS (MB)"
     )
-    header = f"{'batch':>5} {'llama.cpp f16':>14}"
+    header = f"{'batch':>5}" + "".join(f" {'llama ' + kind:>14}" for kind in ggufs)
     for label, _ in sides:
         header += f" {label:>16} {'ratio':>6}"
-    header += f" {'RSS llama':>10}" + "".join(f" {'RSS ' + label:>17}" for label, _ in sides)
+    header += "".join(f" {'RSS ' + kind:>10}" for kind in ggufs)
+    header += "".join(f" {'RSS ' + label:>17}" for label, _ in sides)
     print(header)
     for batch in [int(b) for b in args.batches.split(",")]:
-        ref = llama_cpp_run(binary, gguf, batch, args)
+        refs = [llama_cpp_run(binary, gguf, batch, args) for gguf in ggufs.values()]
         ours = [
             python_run(script, model, how[0], batch, args, *how[1:]) for _, (script, *how) in sides
         ]
-        line = f"{batch:>5} {ref.tokens_per_s:>10,.0f} t/s"
+        line = f"{batch:>5}" + "".join(f" {r.tokens_per_s:>10,.0f} t/s" for r in refs)
         for r in ours:
-            line += f" {r.tokens_per_s:>12,.0f} t/s {r.tokens_per_s / ref.tokens_per_s:>5.2f}x"
-        line += f" {ref.peak_rss_mb:>10,.0f}" + "".join(f" {r.peak_rss_mb:>17,.0f}" for r in ours)
+            line += f" {r.tokens_per_s:>12,.0f} t/s {r.tokens_per_s / refs[0].tokens_per_s:>5.2f}x"
+        line += "".join(f" {r.peak_rss_mb:>10,.0f}" for r in refs)
+        line += "".join(f" {r.peak_rss_mb:>17,.0f}" for r in ours)
         print(line, flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end; {time.strftime('%Y-%m-%d %H:%M')}")
 
