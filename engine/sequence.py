@@ -23,7 +23,31 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-class Sequence:
+class RequestTokens:
+    """A request's tokens: its prompt, then every token it has kept. The
+    scheduler's Sequence and a proposer's DraftRequest both read them so."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class Sequence(RequestTokens):
     """One request. Everything the scheduler decides follows from two numbers:
     how many tokens the sequence has (``num_tokens``) and how many of them
     already have keys and values in the cache (``num_computed_tokens``)."""
@@ -61,22 +85,6 @@ class Sequence:
         self.spec_at = 0
         # Handed on by another engine (kv/handoff.py): its blocks load from the store.
         self.handoff: Handoff | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from engine.sequence import RequestTokens
+
 if TYPE_CHECKING:
     import torch
 
@@ -43,7 +45,7 @@ NO_DRAFT = Draft([])
 
 
 @dataclass
-class DraftRequest:
+class DraftRequest(RequestTokens):
     """A request as a proposer sees it in the model runner: its settings, and
     its prompt and the tokens it has kept so far."""
 
@@ -52,22 +54,6 @@ class DraftRequest:
     seed: int
     num_prompt_tokens: int
     token_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
 
 class DraftProposer(Protocol):
