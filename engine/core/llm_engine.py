@@ -45,6 +45,28 @@ def make_executor(config: EngineConfig, stats: EngineStats) -> Executor:
     return UniProcExecutor(config, stats)
 
 
+def make_block_manager(
+    config: EngineConfig, num_blocks: int, block_size: int, root: bytes
+) -> BlockManager:
+    """The block manager of the model's cache: DeepSeek-V4's keeps a second table
+    of row blocks (kv/grouped_blocks.py)."""
+    caching = config.enable_prefix_caching
+    if not config.kv_row_span:
+        return BlockManager(num_blocks, block_size, caching, root)
+    window = config.kv_window[1] if config.kv_window else 0
+    return GroupedBlockManager(num_blocks, block_size, caching, root, config.kv_row_span, window)
+
+
+def freeze_start_up() -> None:
+    """What start-up built (torch, the model's modules, the block pool) lives as
+    long as the engine: take it out of the garbage collector's full scans, which
+    would otherwise walk all of it in the middle of some step. At exit it goes
+    back, so that everything is finalized as usual."""
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, output_processor: OutputSink | None = None) -> None:
         """``output_processor``: where every step's outputs go (OutputSink); None
@@ -58,31 +80,9 @@ class LLMEngine:
         cache = self.executor.kv_cache_config()
         self.max_model_len = cache.max_model_len
         root = chain_root(config.model_identity, config.kv_format, cache.block_size)
-        self.block_manager = (
-            BlockManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching, root)
-            if not config.kv_row_span
-            else GroupedBlockManager(
-                cache.num_blocks,
-                cache.block_size,
-                config.enable_prefix_caching,
-                root,
-                config.kv_row_span,
-                config.kv_window[1] if config.kv_window else 0,
-            )
-        )
+        self.block_manager = make_block_manager(config, cache.num_blocks, cache.block_size, root)
         self.connector = self._connector(config, cache.block_size, root)
-        scheduler = AsyncScheduler if config.async_scheduling else Scheduler
-        self.scheduler = scheduler(
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.block_manager,
-            self.stats,
-            eos_token_ids=config.hf_config.eos_token_ids,
-            max_model_len=self.max_model_len,
-            verify_schedule=make_verify_schedule(config, self.executor.measure_step_times),
-            kv_window=config.kv_window,
-            connector=self.connector,
-        )
+        self.scheduler = self._scheduler(config)
         self.output_processor: OutputSink = (
             OutputProcessor(self.tokenizer) if output_processor is None else output_processor
         )
@@ -100,27 +100,39 @@ class LLMEngine:
             config.seed,
             BlockChain(root, cache.block_size) if self.connector is not None else None,
         )
-        self.async_loop = None
-        if config.async_scheduling:
-            self.async_loop = AsyncLoop(
-                self.scheduler,
-                self.executor,
-                self.output_processor,
-                self.stats,
-                self.structured_output,
-            )
-        self.trace = None
-        if config.trace:
-            path = config.trace if isinstance(config.trace, str) else None
-            runner, processor = self.executor.model_runner, self.output_processor
-            self.trace = StepTrace(self.scheduler, runner, processor, self.stats, path)
-        # What start-up built (torch, the model's modules, the block pool) lives as
-        # long as the engine: take it out of the garbage collector's full scans,
-        # which would otherwise walk all of it in the middle of some step. At exit
-        # it goes back, so that everything is finalized as usual.
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)
+        self.async_loop = self._async_loop(config)
+        self.trace = self._trace(config)
+        freeze_start_up()
+
+    def _scheduler(self, config: EngineConfig) -> Scheduler:
+        """The scheduler over the engine's blocks, its connector and its drafts' schedule."""
+        scheduler = AsyncScheduler if config.async_scheduling else Scheduler
+        return scheduler(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.block_manager,
+            self.stats,
+            eos_token_ids=config.hf_config.eos_token_ids,
+            max_model_len=self.max_model_len,
+            verify_schedule=make_verify_schedule(config, self.executor.measure_step_times),
+            kv_window=config.kv_window,
+            connector=self.connector,
+        )
+
+    def _async_loop(self, config: EngineConfig) -> AsyncLoop | None:
+        """With async scheduling, the loop that runs one step ahead (async_loop.py)."""
+        if not config.async_scheduling:
+            return None
+        args = self.scheduler, self.executor, self.output_processor, self.stats
+        return AsyncLoop(*args, self.structured_output)
+
+    def _trace(self, config: EngineConfig) -> StepTrace | None:
+        """With trace=True or a path, the step trace (trace.py); None otherwise."""
+        if not config.trace:
+            return None
+        path = config.trace if isinstance(config.trace, str) else None
+        runner, processor = self.executor.model_runner, self.output_processor
+        return StepTrace(self.scheduler, runner, processor, self.stats, path)
 
     def _connector(
         self, config: EngineConfig, block_size: int, root: bytes

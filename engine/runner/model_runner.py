@@ -63,10 +63,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rank_experts.bind(self.model, self.stats, self.device)
         mtp = self._mtp_target()
-        layers = self.model.kv_cache_layers(config.block_size) + (
-            mtp.mtp_attention_layers() if mtp else []
-        )
-        self.kv_cache = KVCachePool(config, layers, self.device)
+        self.kv_cache = self._kv_pool(mtp)
         self.max_model_len = self.kv_cache.max_model_len
         self.num_kv_blocks = self.kv_cache.num_blocks
         self.input_batch = InputBatch(
@@ -98,6 +95,12 @@ class ModelRunner:
         """The model, if the engine drafts with its MTP module (spec_decode/mtp.py)."""
         spec = self.config.speculative_config
         return mtp_target(self.model) if spec is not None and spec.method == "mtp" else None
+
+    def _kv_pool(self, mtp: CausalLM | None) -> KVCachePool:
+        """The paged cache of every attention layer, an MTP module's included."""
+        extra = mtp.mtp_attention_layers() if mtp is not None else []
+        layers = [*self.model.kv_cache_layers(self.block_size), *extra]
+        return KVCachePool(self.config, layers, self.device)
 
     def _drafter(self, mtp: CausalLM | None) -> Drafter | None:
         """The proposer of the speculative_config, run here after sampling (drafting.py)."""
