@@ -88,6 +88,27 @@ def test_compiled_decode_takes_fp8_layers(fp8) -> None:
     assert tokens == reference
 
 
+@pytest.mark.parametrize("fp8", ["qwen3", "deepseek"], indirect=True)
+def test_async_scheduling_reads_fp8_layers(fp8) -> None:
+    _, path, reference = fp8
+    assert generate(path, async_scheduling=True, max_num_batched_tokens=24)[0] == reference
+
+
+@pytest.mark.parametrize("fp8", ["deepseek"], indirect=True)
+def test_mtp_drafts_from_the_fp8_module(fp8) -> None:
+    """The checkpoint's MTP module (layer num_hidden_layers, FP8 like the rest, its
+    eh_proj included) drafts, and greedy verification keeps the tokens transformers
+    gives on the dequantized weights. (The module's weights are random: its drafts
+    are checked, and rejected.)"""
+    _, path, reference = fp8
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    tokens, llm = generate(path, speculative_config=spec)
+    assert tokens == reference
+    model = engine_model(llm)
+    assert isinstance(model.model.mtp[0].eh_proj, Fp8Linear)
+    assert llm.stats.spec_decode.num_draft_tokens > 0
+
+
 @pytest.fixture(scope="module")
 def ue8m0(tmp_path_factory) -> tuple[Path, list[list[int]]]:
     path = tmp_path_factory.mktemp("fp8-ue8m0")
