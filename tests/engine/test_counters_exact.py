@@ -1,0 +1,194 @@
+"""The engine's counts and the decisions that change no token, each pinned to
+its exact value on a constructed case, so that an off-by-one fails: drafts
+chosen, accepted and rejected (SpecDecodeStats, sched/drafts.py), the cut of
+drafts to the budget, max_tokens and the model's length, a prompt exactly at
+the context limit, the seeds a request checker gives, and the timeouts the
+read clocks arm. The end-to-end tests check that these numbers agree with one
+another; these check the numbers themselves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.request_checker import RequestChecker
+from engine.entrypoints import read_timeouts
+from engine.entrypoints.read_timeouts import BodyTimedOut, BodyTimeout, HeadTimeoutProtocol
+from engine.outputs import FinishReason
+from engine.sched.drafts import cut_drafts
+from engine.sequence import Sequence
+from engine.spec_decode import Draft
+from engine.stats import SpecDecodeStats
+from tests.engine.test_drafts import fold, scheduler
+from tests.server.conftest import TINY
+
+# ------------------------------------------------------------ speculative decoding
+
+
+def test_verify_steps_count_chosen_accepted_and_rejected_drafts_exactly() -> None:
+    sched = scheduler()
+    seq = Sequence("a", [10, 11, 12], SamplingParams(max_tokens=50))
+    sched.add(seq)
+    spec = sched.stats.spec_decode
+    fold(sched, {"a": [20]}, {"a": [30, 31, 32, 33]})  # the prompt: no drafts yet
+    assert (spec.num_drafts, spec.chosen_lengths) == (0, [])
+    fold(sched, {"a": [40, 41, 42, 43, 44]}, {"a": [30, 31, 32, 33]})  # all four rejected
+    fold(sched, {"a": [30, 31, 50, 51, 52]}, {"a": [60, 61]})  # two accepted, two rejected
+    # Short drafts, both accepted: the bonus token after them comes in the same step.
+    out, [news] = fold(sched, {"a": [60, 61, 62]}, {})
+    assert out.scheduled[0].draft_token_ids == [60, 61]
+    assert news.new_token_ids == [60, 61, 62]
+    assert seq.num_output_tokens == 1 + 1 + 3 + 3
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (3, 10, 4)
+    assert spec.accepted_lengths == [1, 0, 2]  # one step accepted 0, two accepted 2
+    assert spec.chosen_lengths == [0, 0, 1, 0, 2]
+    rejected = spec.num_draft_tokens - spec.num_accepted_tokens
+    assert rejected == 6
+    assert sched.stats.generated_tokens == 8
+    assert sched.stats.decode_tokens == 5 + 5 + 3
+    fold(sched, {"a": [70]})  # no drafts came back: a plain decode, not a verify step
+    assert (spec.num_drafts, spec.chosen_lengths) == (3, [0, 0, 1, 0, 2])
+
+
+def decoding(prompt: int, outputs: int, max_tokens: int = 50) -> Sequence:
+    """A running sequence with ``prompt`` + ``outputs`` tokens, all but the newest computed."""
+    seq = Sequence("s", list(range(prompt + outputs)), SamplingParams(max_tokens=max_tokens))
+    seq.num_prompt_tokens = prompt
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+FIVE = Draft([1, 2, 3, 4, 5], None, (0.9, 0.8, 0.7, 0.6, 0.5))
+
+
+@pytest.mark.parametrize(
+    "seq,budget,max_model_len",
+    [
+        (decoding(3, 1), 3, None),  # the budget: one new token and two drafts
+        (decoding(3, 1, max_tokens=4), 64, None),  # 1 + 2 drafts + 1 sampled after = 4
+        (decoding(3, 1), 64, 7),  # 4 tokens, 2 drafts and the one after them: 7
+    ],
+    ids=["budget", "max_tokens", "max_model_len"],
+)
+def test_drafts_are_cut_to_exactly_the_room_left(seq: Sequence, budget: int, max_model_len) -> None:
+    stats = SpecDecodeStats()
+    kept = cut_drafts(seq, 1, budget, FIVE, max_model_len, stats)
+    assert kept.token_ids == [1, 2] and kept.confidence == (0.9, 0.8)
+    assert stats.chosen_lengths == [0, 0, 1]
+
+
+def test_no_room_chooses_zero_drafts_and_stale_drafts_are_not_chosen() -> None:
+    stats = SpecDecodeStats()
+    assert len(cut_drafts(decoding(3, 1), 1, 1, FIVE, None, stats)) == 0  # budget 1: none
+    assert len(cut_drafts(decoding(3, 3, max_tokens=4), 1, 64, FIVE, None, stats)) == 0
+    assert len(cut_drafts(decoding(3, 1), 1, 64, FIVE, 5, stats)) == 0  # one token from the end
+    assert stats.chosen_lengths == [3]
+    behind = decoding(3, 1)
+    behind.num_computed_tokens -= 1  # two tokens to compute: not after its newest token
+    assert len(cut_drafts(behind, 1, 64, FIVE, None, stats)) == 0
+    assert stats.chosen_lengths == [3]  # not a request given drafts this step
+
+
+# ------------------------------------------------------------ the context limit
+
+
+def checker(seed: int = 0, max_model_len: int = 8) -> RequestChecker:
+    return RequestChecker(None, 100, max_model_len, None, seed)  # type: ignore[arg-type]
+
+
+def test_a_prompt_one_short_of_the_context_limit_is_taken_and_one_at_it_refused() -> None:
+    assert checker().check("a", list(range(7))).num_prompt_tokens == 7
+    with pytest.raises(ValueError, match="prompt has 8 tokens, but the maximum model length is 8"):
+        checker().check("a", list(range(8)))
+
+
+def test_a_prompt_at_the_limit_generates_exactly_one_token() -> None:
+    sched = scheduler()
+    sched.max_model_len = 8
+    seq = Sequence("a", list(range(10, 17)), SamplingParams(max_tokens=50))  # 7 tokens
+    sched.add(seq)
+    _, [news] = fold(sched, {"a": [20]})
+    assert news.new_token_ids == [20] and news.finish_reason == FinishReason.LENGTH
+    seq = Sequence("b", list(range(10, 16)), SamplingParams(max_tokens=50))  # 6 tokens
+    sched.add(seq)
+    _, [news] = fold(sched, {"b": [20]})
+    assert news.finish_reason is None
+    _, [news] = fold(sched, {"b": [21]})
+    assert news.finish_reason == FinishReason.LENGTH and seq.num_output_tokens == 2
+
+
+# ------------------------------------------------------------ seeds
+
+
+def test_a_request_without_a_seed_gets_the_engines_mixed_with_its_arrival() -> None:
+    c = checker(seed=7)
+    assert c.check("a", [1, 2]).seed == 7 * 1_000_003
+    c.num_added = 2
+    assert c.check("b", [1, 2]).seed == 7 * 1_000_003 + 2
+    assert c.check("c", [1, 2], SamplingParams(seed=5)).seed == 5
+    assert c.check("d", [1, 2], seed=9).seed == 9  # one a front end gave it
+    assert c.check("e", [1, 2], SamplingParams(seed=5), seed=9).seed == 5  # its own first
+    assert c.check("f", [1, 2], SamplingParams(seed=0)).seed == 0  # 0 is a seed, not none
+
+
+def test_the_engine_counts_each_request_it_adds_into_the_next_seed() -> None:
+    engine = LLM(str(TINY), dtype="float32", num_kv_blocks=16, max_model_len=64, seed=3)
+    core = engine.llm_engine
+    for rid in ("a", "b", "c"):
+        core.add_request(rid, [5, 6, 7])
+    assert [core.requests[r].seed for r in "abc"] == [3_000_009, 3_000_010, 3_000_011]
+    seq = core.make_sequence("d", [5, 6])  # checked, not added: no count
+    assert seq.seed == 3_000_012 and core.make_sequence("e", [5]).seed == 3_000_012
+
+
+# ------------------------------------------------------------ read timeouts
+
+
+class Clock:
+    """A loop whose call_later is recorded (and never runs: the loop never runs)."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+        self.handles: list[asyncio.TimerHandle] = []
+        self.loop = asyncio.new_event_loop()
+
+    def call_later(self, delay: float, callback) -> asyncio.TimerHandle:
+        self.calls.append(delay)
+        self.handles.append(self.loop.call_later(delay, callback))
+        return self.handles[-1]
+
+
+def test_the_head_clock_is_armed_with_exactly_its_timeout() -> None:
+    protocol = object.__new__(HeadTimeoutProtocol)
+    protocol.head_timeout, protocol.head_timer, protocol.cycle = 2.5, None, None
+    protocol.loop = clock = Clock()  # type: ignore[assignment]
+    protocol._start_clock()
+    protocol._start_clock()  # again on a kept-alive connection: the old one cancelled
+    assert clock.calls == [2.5, 2.5]
+    assert [h.cancelled() for h in clock.handles] == [True, False]
+    clock.loop.close()
+
+
+def test_the_body_clock_waits_exactly_its_timeout_for_each_piece(monkeypatch) -> None:
+    waits: list[float] = []
+
+    async def wait_for(awaitable, timeout: float):
+        waits.append(timeout)
+        return await awaitable
+
+    monkeypatch.setattr(read_timeouts.asyncio, "wait_for", wait_for)
+    pieces = [{"type": "http.request", "body": b"a", "more_body": True},
+              {"type": "http.request", "body": b"b", "more_body": False}]  # fmt: skip
+
+    async def receive() -> dict:
+        return pieces.pop(0) if pieces else {"type": "http.disconnect"}
+
+    async def app(scope, receive, send) -> None:
+        for _ in range(3):  # two pieces of body, then a wait for a disconnect
+            await receive()
+
+    asyncio.run(BodyTimeout(app, 1.5)({"type": "http"}, receive, None))  # type: ignore[arg-type]
+    assert waits == [1.5, 1.5]  # the third receive waits with no clock
+    assert BodyTimedOut(1.5).detail == "the request body paused for more than 1.5 s"
