@@ -74,7 +74,7 @@ ALLOWED_NUMBERS: dict[tuple[str, str], str] = {
 
 NUMBER = re.compile(r"(?<![\w.\-/^])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(%?)(?![\w])")
 LABEL = re.compile(  # § has no word boundary before it: it is not a word character
-    r"(?:\b(?:Experiments?|Chapters?|Exercises?|Figures?|Tables?|Appendix)|§)"
+    r"(?:\b(?:Experiments?|Chapters?|Exercises?|Figures?|Tables?|Outputs?|Appendix)|§)"
     r"\s*\d+(?:\.\d+)*(?:\s*(?:–|-|to|and|,|or)\s*§?\d+(?:\.\d+)*)*"
 )
 YEAR = re.compile(r"\b(?:19[5-9]\d|20[0-4]\d)\b")
@@ -204,7 +204,7 @@ def test_every_allowed_phrase_is_on_its_page() -> None:
 
 def test_the_lint_sees_numbers_and_spares_labels() -> None:
     text = prose(
-        "Experiment 5 and Chapters 1–2 (2025) show `16` and \\(3 + 4\\) but waste 50.1% in "
+        "Experiment 5, Output 4.3 and Chapters 1–2 (2025) show `16` and \\(3 + 4\\) but waste 50.1% in "
         '1,000 of 3,815 cases; {{ result("ch01/x", "y") }} is 7.\n'
     )
     assert [w for _, w in numbers_in(text)] == ["50.1%", "3,815"]

@@ -1,3 +1,3 @@
-"""The engine loop: schedule, execute, update, output; the executor that runs
-the model runners, the output processor and detokenizer that make text, and
-the stats and trace that watch the steps."""
+"""The engine loop: schedule, execute, update, output (LLMEngine, and AsyncLoop
+one step ahead); the output processor and detokenizer that make text; the
+request checks; and the trace that watches the steps."""

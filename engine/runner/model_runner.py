@@ -175,8 +175,8 @@ class ModelRunner:
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """One forward pass; logits only for the rows that will sample, and for the
         prompt rows of requests that asked for prompt_logprobs. The sampled rows'
-        last hidden states are kept, in row order: what a draft proposer (an MTP
-        module, EAGLE) starts from; every position's too while one drafts."""
+        last hidden states are kept, in row order: what a draft proposer such as
+        the MTP module starts from; every position's too while one drafts."""
         batch = step.batch
         start = time.perf_counter()
         if step.fast:  # decodes alone: CUDA graphs or the compiled decode (fast_path.py)

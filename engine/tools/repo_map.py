@@ -190,7 +190,8 @@ def first_sentence(text: str) -> str:
             word = text[: i + 1].rsplit(" ", 1)[-1]
             if not word.endswith(ABBREVIATIONS):
                 return text[: i + 1]
-    return text
+    # A first paragraph that introduces a listing ("... the SDK's events:") ends there.
+    return text[:-1] + "." if text.endswith(":") else text
 
 
 def as_markdown(text: str) -> str:
