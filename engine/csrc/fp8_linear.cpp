@@ -224,10 +224,67 @@ at::Tensor fp8_block_gemv(const at::Tensor& x, const at::Tensor& q, const at::Te
   return out.to(x.scalar_type());
 }
 
+// bfloat16 bits of float32 values, rounded to nearest even (no value here is NaN).
+inline void store_bf16(uint16_t* out, f32x16 v) {
+  const u32x16 bits = reinterpret_cast<u32x16>(v);
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  for (int64_t i = 0; i < kLanes; ++i) out[i] = static_cast<uint16_t>(rounded[i]);
+}
+
+// W = q * scale, each product in float32 (DeepSeek's weight_dequant), as float32 or
+// rounded once to bfloat16: the tiles a many-token matmul reads (fp8.py).
+at::Tensor fp8_block_dequantize(const at::Tensor& q, const at::Tensor& scales, bool bf16) {
+  TORCH_CHECK(q.dim() == 2 && q.element_size() == 1 && scales.scalar_type() == at::kFloat,
+              "fp8_block_dequantize: 2-d one-byte codes and float32 scales");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == (K + kBlock - 1) / kBlock,
+              "fp8_block_dequantize: shapes do not agree");
+  const at::Tensor qc = q.contiguous(), sc = scales.contiguous();
+  at::Tensor out = at::empty({N, K}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qc.data_ptr());
+  const float* sp = sc.data_ptr<float>();
+  const int64_t blocks = sc.size(1);
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = qp + n * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float scale = sp[n * blocks + k / kBlock];
+        const bool whole = k % kLanes == 0 && k + kLanes <= std::min(K, (k / kBlock + 1) * kBlock);
+        if (whole) {
+          const f32x16 v = decode16(row + k) * scale;
+          if (bf16) {
+            store_bf16(ob + n * K + k, v);
+          } else {
+            std::memcpy(of + n * K + k, &v, sizeof v);
+          }
+          k += kLanes - 1;
+          continue;
+        }
+        f32x16 v = {};
+        v[0] = decode1(row[k]) * scale;
+        if (bf16) {
+          uint16_t one[kLanes];
+          store_bf16(one, v);
+          ob[n * K + k] = one[0];
+        } else {
+          of[n * K + k] = v[0];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("fp8_block_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("fp8_block_dequantize(Tensor q, Tensor scales, bool bf16) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepinfer, CPU, m) { m.impl("fp8_block_gemv", &fp8_block_gemv); }
+TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
+  m.impl("fp8_block_gemv", &fp8_block_gemv);
+  m.impl("fp8_block_dequantize", &fp8_block_dequantize);
+}

@@ -13,6 +13,7 @@ from engine import csrc
 from engine.layers.quantization.fp8 import (
     FP8,
     dequantize,
+    dequantize_torch,
     expand_block_scales,
     fp8_linear,
     fp8_tiled_linear,
@@ -48,14 +49,18 @@ def reference_weight(q: torch.Tensor, block_scales: torch.Tensor) -> torch.Tenso
 SHAPES = [(1, 1), (128, 128), (160, 576), (576, 160), (257, 129), (3, 700)]
 
 
+DEQUANTIZE = {"operator": dequantize, "torch": dequantize_torch}
+
+
+@pytest.mark.parametrize("how", [pytest.param("operator", marks=needs_csrc), "torch"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
-def test_dequantize_is_deepseeks_float32_product(shape) -> None:
+def test_dequantize_is_deepseeks_float32_product(shape, how) -> None:
     g = torch.Generator().manual_seed(torch.seed())
     q, s = random_fp8(*shape, g), random_scales(*shape, g)
-    w = dequantize(q, expand_block_scales(s, shape[0]), torch.float32)
+    w = DEQUANTIZE[how](q, expand_block_scales(s, shape[0]), torch.float32)
     # the float64 product is exact (4 + 24 mantissa bits): rounding it once is float32's
     assert torch.equal(w, reference_weight(q, s).float())
-    bf16 = dequantize(q, expand_block_scales(s, shape[0]), torch.bfloat16)
+    bf16 = DEQUANTIZE[how](q, expand_block_scales(s, shape[0]), torch.bfloat16)
     assert torch.equal(bf16, reference_weight(q, s).float().bfloat16())
 
 
