@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 PLACEHOLDER = -1
 # A block table's entry for a block a sliding window gave back (EngineConfig.kv_window):
 # position p still maps to entry p // block_size, and the model runner leaves the
-# hole out of what attention reads (ModelRunner.build_model_input).
+# hole out of what attention reads (runner/input_batch.py, kept_blocks).
 HOLE = -1
 
 

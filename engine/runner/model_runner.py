@@ -142,10 +142,6 @@ class ModelRunner:
         """Between steps: move this rank to a new placement (RankExperts.apply)."""
         self.rank_experts.apply(placement)
 
-    def build_model_input(self, out: SchedulerOutput) -> ModelInput:
-        """The step's flattened batch (InputBatch.build)."""
-        return self.input_batch.build(out)
-
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The host's share of a step: the flattened batch, and the attention and
         sampling metadata. Nothing here waits for the device. Each sampled row
