@@ -10,20 +10,29 @@ from pathlib import Path
 
 import torch
 
-from engine.config.kv_format import quant_format
+from engine.config.combinations import refuse_combinations
 from engine.config.model import ModelConfig
+from engine.config.parts import (
+    COMPILE_MODES,
+    CacheConfig,
+    CompileConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from engine.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
-# torch.compile's names: "default" leaves the matmuls to oneDNN; "max-autotune" has
-# Inductor try its own C++ GEMMs for them (engine/runner/compiled_decode.py).
-COMPILE_MODES = ("default", "max-autotune")
+__all__ = ["COMPILE_MODES", "EngineConfig", "cpu_has_fast_bf16", "default_cpu_dtype"]
 
 
 @dataclass
 class EngineConfig:
-    """How the engine serves one model. LLM(...) builds this from its keywords."""
+    """How the engine serves one model. LLM(...) builds this from its keywords,
+    flat as vLLM's engine arguments are; its parts (cache, scheduler, compile,
+    parallel, kv_transfer: parts.py) each check themselves, and what they cannot
+    do together is refused in one place (combinations.py)."""
 
     model: str
     device: str | None = None  # None: cuda when available, else cpu
@@ -104,20 +113,26 @@ class EngineConfig:
             raise ValueError(f"model path {self.model!r} is not a directory")
         if not (path / "config.json").is_file():
             raise ValueError(f"model path {self.model!r} has no config.json")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        quant_format(self.kv_cache_dtype)  # ValueError unless a known format
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
-        if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(
-                f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}"
-            )
+        self.kv_window = self.cache.check()
+        self.scheduler.check()
+        self.compile.check()
+        self.kv_transfer.check()
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(
                 f"disable_any_whitespace must be True or False, got {self.disable_any_whitespace!r}"
             )
         self.hf_config = ModelConfig.from_pretrained(path)
+        self.parallel.check(self.hf_config.routed_experts())
+        if self.speculative_config is not None:  # parsed (ValueError if bad); MTP needs weights
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            self.speculative_config.check_target(self.hf_config)
+        self._resolve_device()
+        refuse_combinations(self)
+        if self.hf_config.v4 is not None:  # V4 keeps its own window (compressed_cache.py)
+            self.kv_window = (0, self.hf_config.v4.window_tokens())
+
+    def _resolve_device(self) -> None:
+        """The device, dtype and attention backend, where left to the engine."""
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.dtype is None:
             self.dtype = default_cpu_dtype() if self.device == "cpu" else torch.bfloat16
@@ -130,63 +145,41 @@ class EngineConfig:
                 "attention_backend must be 'torch', 'cpu' or 'triton', "
                 f"got {self.attention_backend!r}"
             )
-        self._check_expert_parallel()
-        self._check_speculative()
-        self._check_batch_invariant()
-        self._check_kv_cache_dtype()
-        self._check_kv_window()
-        self._check_kv_store()
-        self._check_deepseek_v4()
-        self._check_quantization()
 
-    def _check_kv_cache_dtype(self) -> None:
-        """What a quantized KV cache cannot run on yet."""
-        if self.kv_cache_dtype == "auto":
-            return
-        if self.batch_invariant:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} does not combine with "
-                "batch_invariant=True yet: the split-KV attention path reads only an "
-                "unquantized cache"
-            )
-        if self.hf_config.mla is not None and self.attention_backend == "triton":
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} on an MLA model (DeepSeek) needs "
-                "attention_backend 'torch' or 'cpu': the Triton MLA decode kernel reads "
-                "only an unquantized latent"
-            )
+    @property
+    def cache(self) -> CacheConfig:
+        return CacheConfig(
+            self.block_size,
+            self.kv_cache_dtype,
+            self.num_kv_blocks,
+            self.kv_cache_memory_fraction,
+            self.enable_prefix_caching,
+            self.kv_window,
+        )
 
-    def _check_quantization(self) -> None:
-        if self.quantization is None:
-            return
-        if self.quantization not in ("int8", "int4"):
-            raise ValueError(f"quantization must be 'int8' or 'int4', got {self.quantization!r}")
-        refused = {
-            "its checkpoint is already FP8": self.hf_config.fp8 is not None,
-            "the device is not a CPU": self.device != "cpu",
-            "expert_parallel_size > 1": self.expert_parallel_size > 1,
-            "batch_invariant=True": self.batch_invariant,
-        }
-        for reason, applies in refused.items():
-            if applies:
-                raise ValueError(f"quantization={self.quantization!r} is refused: {reason}")
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        args = self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
+        return SchedulerConfig(*args, self.async_scheduling)
 
-    def _check_batch_invariant(self) -> None:
-        """What batch-invariant mode cannot run on yet."""
-        if self.batch_invariant and self.attention_backend == "cpu":
-            raise ValueError(
-                "batch_invariant=True needs attention_backend 'torch' or 'triton': the 'cpu' "
-                "backend attends prompt chunks in batch-dependent order"
-            )
-        if (
-            self.batch_invariant
-            and self.hf_config.mla is not None
-            and not self.device.startswith("cuda")
-        ):
-            raise ValueError(
-                "batch_invariant=True does not support MLA models (DeepSeek) on the CPU yet: "
-                "the torch backend's split-KV path has no absorbed MLA decode"
-            )
+    @property
+    def compile(self) -> CompileConfig:
+        return CompileConfig(self.enforce_eager, self.compile_decode, self.compile_mode)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.expert_parallel_size,
+            self.enable_eplb,
+            self.eplb_interval,
+            self.num_redundant_experts,
+            self.distributed_timeout_s,
+        )
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig:
+        args = self.kv_store, self.kv_store_max_bytes, self.kv_store_load, self.role
+        return KVTransferConfig(*args)
 
     @property
     def kv_format(self) -> str:
@@ -202,115 +195,12 @@ class EngineConfig:
         name = f"{self.hf_config.architecture}:{Path(self.model).resolve().name}"
         return f"{name}:row-spans-of-{self.kv_row_span}" if self.kv_row_span else name
 
-    def _check_expert_parallel(self) -> None:
-        ep, moe = self.expert_parallel_size, self.hf_config.routed_experts()
-        if ep < 1 or self.num_redundant_experts < 0 or self.eplb_interval < 1:
-            raise ValueError(
-                "expert_parallel_size and eplb_interval must be at least 1, "
-                "num_redundant_experts at least 0"
-            )
-        if moe is None and (ep > 1 or self.enable_eplb or self.num_redundant_experts):
-            raise ValueError("expert parallelism and EPLB need a mixture-of-experts model")
-        if moe is not None and (moe.num_experts + self.num_redundant_experts) % ep:
-            raise ValueError(
-                f"{moe.num_experts} experts + {self.num_redundant_experts} redundant slots "
-                f"do not divide among expert_parallel_size {ep} ranks"
-            )
-        if (ep > 1 or self.enable_eplb) and self.async_scheduling:
-            raise ValueError("expert parallelism and EPLB need async_scheduling=False")
-
-    def _check_speculative(self) -> None:
-        """Parse speculative_config (ValueError if bad), and refuse what it cannot do."""
-        if self.speculative_config is None:
-            return
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        self.speculative_config.check_target(self.hf_config)  # MTP needs MTP weights
-        if self.async_scheduling:
-            raise ValueError(
-                "speculative_config needs async_scheduling=False: a step's drafts are "
-                "proposed from the request's newest token, which one-step-ahead scheduling "
-                "has not seen yet, and the step after a verify depends on how many "
-                "drafts it accepted"
-            )
-
-    def _check_kv_store(self) -> None:
-        """A known role; a store for a prefill or decode role; nothing a store cannot
-        hold (a window's holes, blocks spread over ranks)."""
-        if self.role not in ("prefill", "decode", "both"):
-            raise ValueError(f"role must be 'prefill', 'decode' or 'both', got {self.role!r}")
-        if self.kv_store_load not in ("measured", "always"):
-            raise ValueError(
-                f"kv_store_load must be 'measured' or 'always', got {self.kv_store_load!r}"
-            )
-        if self.kv_store is None:
-            if self.role != "both":
-                raise ValueError(f"role {self.role!r} needs kv_store: the blocks go through it")
-            return
-        if self.kv_window is not None:
-            raise ValueError(
-                "kv_store does not combine with kv_window: a windowed request's blocks are "
-                "freed as it runs, and those computed after are never published"
-            )
-        if self.expert_parallel_size > 1:
-            raise ValueError("kv_store needs expert_parallel_size 1: one pool to copy blocks from")
-        if self.async_scheduling:
-            raise ValueError("kv_store needs async_scheduling=False: loads land between steps")
-        if not self.enable_prefix_caching:
-            raise ValueError("kv_store needs prefix caching: blocks are filed by its hash chains")
-
-    def _check_deepseek_v4(self) -> None:
-        """DeepSeek-V4 runs under a window of its own: a request keeps the token
-        blocks of its last V4Config.window_tokens() tokens and gives back the rest,
-        while its row blocks stay (engine/kv/compressed_cache.py). What it cannot
-        run yet."""
-        v4 = self.hf_config.v4
-        if v4 is None:
-            return
-        for name, unsupported in (
-            ("kv_window", self.kv_window is not None),
-            ("kv_store", self.kv_store is not None),
-        ):
-            if unsupported:
-                raise ValueError(
-                    f"{name} is not supported on DeepSeek-V4 yet: V4 keeps its own sliding "
-                    "window and compressor state in the paged cache, read by position"
-                )
-        spec = self.speculative_config
-        if spec is not None and spec.method not in ("ngram", "mtp"):
-            raise ValueError(
-                f"speculative_config method {spec.method!r} is not supported on DeepSeek-V4 "
-                "yet: its drafts come from another model, whose cache is not V4's "
-                "(ngram and mtp are)"
-            )
-        self.kv_window = (0, v4.window_tokens())
-
     @property
     def kv_row_span(self) -> int:
         """Tokens per row block, where DeepSeek-V4 keeps compressed rows
         (V4Config.row_span); 0 for every other model."""
         v4 = self.hf_config.v4
         return 0 if v4 is None else v4.row_span(self.block_size)
-
-    def _check_kv_window(self) -> None:
-        """A window of at least one block, sinks of none or more, and no MTP drafts."""
-        if self.kv_window is None:
-            return
-        pair = tuple(self.kv_window)
-        if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in pair):
-            raise ValueError(f"kv_window must be a pair of integers (sinks, window), got {pair!r}")
-        sinks, window = self.kv_window = pair
-        if sinks < 0 or window < self.block_size:
-            raise ValueError(
-                f"kv_window (sinks={sinks}, window={window}) needs sinks >= 0 and a window of "
-                f"at least one block (block_size {self.block_size})"
-            )
-        spec = self.speculative_config
-        if spec is not None and spec.method == "mtp":
-            raise ValueError(
-                "kv_window does not support speculative_config method 'mtp' yet: the MTP "
-                "module reads the block tables with the window's holes in them "
-                "(engine/spec_decode/mtp.py)"
-            )
 
     def _default_backend(self) -> str:
         """Triton's kernels on a GPU. On the CPU, the C++ decode operator when it
