@@ -10,8 +10,12 @@
 #                  and as an EPUB beside it
 #   make epub      the whole book as an EPUB, checked by epubcheck: site/inside-deepinfer.epub
 #   make mutate    mutation testing of the engine's core modules, and the score per module
-#                  (not part of make test; about an hour on 2 cores for all of them). One module:
-#                  make mutate MUTANTS='engine.sched.scheduler.*'
+#                  (not part of make test; hours on 2 cores for all of them: a module of a few
+#                  hundred mutants takes 15 to 30 minutes). One module at a time:
+#                  make mutate MUTANTS='engine.kv.store_connector.*'
+#                  The survivors judged equivalent are listed in tests/mutation_survivors.md.
+#                  After changing pyproject's only_mutate, make clean first: mutmut keeps a
+#                  module it copied unmutated before as it was.
 
 PYTHON ?= python3
 VENV   ?= .venv
