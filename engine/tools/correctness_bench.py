@@ -20,7 +20,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.layers import sampler as sampler_module
+from engine.sample import sampler as sampler_module
 
 PROMPTS = ["def step(self):", "The scheduler admits", "class Block:", "# Chapter 7", "x = "]
 SCHEMA = {
