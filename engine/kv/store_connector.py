@@ -120,7 +120,6 @@ class StoreConnector:
     def chain(self, seq: Sequence, n: int) -> list[bytes]:
         return block_chain(self.root, seq.token_ids, self.block_size, n)
 
-    # --8<-- [start:lookup]
     def num_external_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
         """The store's run of ``seq``'s full blocks after the local hits, if
         loading them pays (always, for a request a prefill worker handed on)."""
@@ -134,7 +133,6 @@ class StoreConnector:
             return 0, False
         return found * bs, True
 
-    # --8<-- [end:lookup]
 
     def after_allocation(
         self, seq: Sequence, block_ids: list[int], num_external_tokens: int
@@ -148,7 +146,6 @@ class StoreConnector:
         self.stats.loads += 1
         self.loads[seq.request_id] = Load(seq, list(block_ids), future, time.perf_counter())
 
-    # --8<-- [start:fetch]
     def _fetch(self, keys: list[bytes], tokens: list[list[int]]) -> tuple[list[KVBlocks], int]:
         """The blocks the store holds for ``keys``, checked, up to the first that
         is missing (evicted since the lookup), corrupt, or holds other tokens;
@@ -163,7 +160,6 @@ class StoreConnector:
             nbytes += len(payload)
         return found, nbytes
 
-    # --8<-- [end:fetch]
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a load to finish, if none has."""
@@ -208,7 +204,6 @@ class StoreConnector:
         """The store's own counts: hits, misses, corrupt entries, errors."""
         return self.store.stats.snapshot()
 
-    # --8<-- [start:save]
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
         """Save the full computed blocks the store lacks. They are copied out of
         the pool now, so they can be freed at once (False); a prefill worker also
@@ -229,7 +224,6 @@ class StoreConnector:
             self._put_later(chain[have:], tokens, data, copied)
         return False
 
-    # --8<-- [end:save]
 
     def _put(
         self, keys: list[bytes], tokens: list[list[int]], data: KVBlocks, copied: float
