@@ -16,6 +16,7 @@ from engine import LLM, SamplingParams
 from engine.core.request_checker import RequestChecker
 from engine.entrypoints import read_timeouts
 from engine.entrypoints.read_timeouts import BodyTimedOut, BodyTimeout, HeadTimeoutProtocol
+from engine.kv.block_manager import HOLE, BlockManager
 from engine.outputs import FinishReason
 from engine.sched.drafts import cut_drafts
 from engine.sequence import Sequence
@@ -192,3 +193,26 @@ def test_the_body_clock_waits_exactly_its_timeout_for_each_piece(monkeypatch) ->
     asyncio.run(BodyTimeout(app, 1.5)({"type": "http"}, receive, None))  # type: ignore[arg-type]
     assert waits == [1.5, 1.5]  # the third receive waits with no clock
     assert BodyTimedOut(1.5).detail == "the request body paused for more than 1.5 s"
+
+
+# ------------------------------------------------------------ the window's mark
+
+
+def test_the_window_marks_the_tokens_computed_at_its_first_give_back_only() -> None:
+    bm = BlockManager(16, 4)
+    seq = Sequence("w", list(range(40)), SamplingParams())
+    assert bm.allocate(seq, 27)
+    seq.num_computed_tokens = 20
+    bm.cache_full_blocks(seq)  # blocks 0..4 published as they filled
+    assert bm.free_outside_window(seq, 4, 8) == 2  # (20 - 8) // 4 = 3: blocks 1, 2
+    assert seq.num_unwindowed_tokens == 20
+    seq.num_computed_tokens = 27
+    assert bm.free_outside_window(seq, 4, 8) == 1  # (27 - 8) // 4 = 4: block 3 too
+    assert seq.num_unwindowed_tokens == 20  # the first give-back's count stays
+    assert seq.block_table[1:4] == [HOLE] * 3 and HOLE not in seq.block_table[4:]
+    assert len(seq.block_hashes) == 5
+    bm.cache_full_blocks(seq)  # block 5 (tokens 20..23) was computed after the mark
+    assert len(seq.block_hashes) == 5
+    assert bm.free_outside_window(seq, 4, 8) == 0
+    bm.free(seq)
+    assert seq.num_unwindowed_tokens is None and bm.num_free_blocks == 16

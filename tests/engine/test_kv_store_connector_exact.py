@@ -8,6 +8,10 @@ the connector's clock ticks one second per reading."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import pytest
 import torch
 
@@ -102,6 +106,9 @@ def test_a_save_reads_only_the_blocks_the_store_lacks(parts) -> None:
     ]
     assert conn.take_records() == []
     assert stats.save_seconds == 4.0
+    conn.after_allocation(request(13, 0, "d"), [20, 21, 22], 12)  # each block with its tokens
+    conn.fetcher.submit(lambda: None).result()
+    assert conn.finished_loads() == {"d": 12} and stats.failed_blocks == 0
 
 
 @pytest.mark.parametrize(
@@ -132,6 +139,11 @@ def test_a_load_writes_what_it_found_where_it_was_given_and_counts_it(parts) -> 
     assert conn.take_records() == [KVTransferRecord("load", 8, 2 * PAYLOAD, 1.0, 4.0)]
     # A running mean of one second over two blocks, weighted 0.2 to the new.
     assert conn.cost.load_seconds_per_block == pytest.approx(0.25 + 0.2 * (0.5 - 0.25), abs=1e-12)
+    conn.after_allocation(request(11, 0, "c"), [22, 23], 8)  # again: the counts add up
+    conn.fetcher.submit(lambda: None).result()
+    assert conn.finished_loads() == {"c": 8}
+    assert (stats.loads, stats.hit_tokens, stats.loaded_bytes) == (2, 16, 4 * PAYLOAD)
+    assert (stats.load_seconds, stats.recompute_seconds_estimate) == (2.0, 8.0)
 
 
 def test_a_load_stops_at_the_first_block_gone_and_counts_the_rest_failed(parts) -> None:
@@ -139,21 +151,22 @@ def test_a_load_stops_at_the_first_block_gone_and_counts_the_rest_failed(parts) 
     conn.request_finished(request(13, 13), [7, 3, 9, 5])
     chain = conn.chain(request(13, 13), 3)
     store.evict(chain[1])
-    seq = request(13, 4, "b")
-    seq.handoff = Handoff([], 0, chain)  # handed on: its tokens count as such too
-    conn.after_allocation(seq, [20, 21], 8)  # blocks 1 and 2; block 1 is gone
-    conn.fetcher.submit(lambda: None).result()
-    assert conn.finished_loads() == {"b": 0}
-    assert pool.writes == []
-    assert (stats.hit_tokens, stats.handoff_tokens, stats.failed_blocks) == (0, 0, 2)
     seq = request(13, 0, "c")
-    seq.handoff = Handoff([], 0, chain)
+    seq.handoff = Handoff([], 0, chain)  # handed on: its tokens count as such too
     conn.after_allocation(seq, [20, 21, 22], 12)
     conn.fetcher.submit(lambda: None).result()
     assert conn.finished_loads() == {"c": 4}
     assert pool.writes == [([20], [7.0])]
+    assert (stats.hit_tokens, stats.handoff_tokens, stats.failed_blocks) == (4, 4, 2)
+    seq = request(13, 4, "b")
+    seq.handoff = Handoff([], 0, chain)
+    conn.after_allocation(seq, [23, 24], 8)  # blocks 1 and 2; block 1 is gone
+    conn.fetcher.submit(lambda: None).result()
+    assert conn.finished_loads() == {"b": 0}
+    assert pool.writes == [([20], [7.0])]
     assert (stats.loads, stats.hit_tokens, stats.handoff_tokens) == (2, 4, 4)
     assert (stats.failed_blocks, stats.loaded_bytes) == (2 + 2, PAYLOAD)
+    assert (stats.load_seconds, stats.recompute_seconds_estimate) == (2.0, 4 * 0.5)
 
 
 def test_loading_pays_only_when_strictly_cheaper_than_computing() -> None:
@@ -170,11 +183,12 @@ def test_a_lookup_that_does_not_pay_counts_the_tokens_skipped(parts) -> None:
     conn.request_finished(request(13, 13), [7, 3, 9, 5])
     conn.cost.load_seconds_per_block = BS * 0.5  # as dear as computing a block
     assert conn.num_external_tokens(request(11, 0, "b"), 0) == (0, False)
-    assert stats.skipped_tokens == 8
+    assert conn.num_external_tokens(request(9, 4, "b"), 4) == (0, False)
+    assert stats.skipped_tokens == 8 + 4
     seq = request(11, 0, "c")
     seq.handoff = Handoff([], 0, [])  # a handed-on request loads whatever it costs
     assert conn.num_external_tokens(seq, 0) == (8, True)
-    assert stats.skipped_tokens == 8
+    assert stats.skipped_tokens == 8 + 4
 
 
 def test_the_stored_entry_is_its_header_and_the_blocks_bytes(parts) -> None:
@@ -182,3 +196,126 @@ def test_the_stored_entry_is_its_header_and_the_blocks_bytes(parts) -> None:
     conn.request_finished(request(5, 5), [7, 3])
     [key] = conn.chain(request(5, 5), 1)
     assert store.path(key).stat().st_size == HEADER.size + PAYLOAD
+
+
+def background(parts) -> sc.StoreConnector:
+    conn, pool, store, stats = parts
+    return sc.StoreConnector(store, pool, conn.layout, BS, ROOT, conn.cost, stats)
+
+
+def test_background_saves_hold_their_bytes_until_done_and_drop_past_the_bound(
+    parts, monkeypatch, caplog
+) -> None:
+    conn = background(parts)
+    _, pool, store, stats = parts
+    one_save = 2 * 2 * 4  # two blocks of two float32 numbers
+    monkeypatch.setattr(sc, "MAX_PENDING_SAVE_BYTES", 2 * one_save)
+    held = threading.Event()
+    conn.saver.submit(held.wait, 10)  # the saving thread is busy
+    assert conn.request_finished(request(9, 9), [7, 3, 9]) is False
+    assert conn.pending_bytes == one_save and conn.saving()
+    conn.request_finished(request(9, 9, "b"), [7, 3, 9])  # 32 bytes: exactly the bound
+    assert conn.pending_bytes == 2 * one_save
+    conn.request_finished(request(9, 9, "c"), [7, 3, 9])  # past it: dropped
+    conn.request_finished(request(9, 9, "d"), [7, 3, 9])
+    assert stats.dropped_saves == 2 and conn.pending_bytes == 2 * one_save
+    held.set()
+    conn.flush()
+    assert conn.pending_bytes == 0 and not conn.saving()
+    assert (stats.saved_blocks, stats.saved_bytes, stats.dropped_saves) == (4, 4 * PAYLOAD, 2)
+    conn.pending_bytes = 1
+    assert conn.saving()  # a byte still waiting is a save still running
+    conn.pending_bytes = 0
+    conn.close()
+    assert pool.reads == [[7, 3]] * 4  # the dropped saves were copied, then not sent
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # each save ended cleanly
+
+
+def test_wait_returns_at_once_with_no_load_or_a_finished_one(parts, monkeypatch) -> None:
+    conn, _, _, _ = parts
+    waited: list[tuple] = []
+    monkeypatch.setattr(sc, "wait", lambda *args: waited.append(args))
+    conn.wait(5.0)  # nothing loading
+    conn.request_finished(request(9, 9), [7, 3, 9])
+    conn.after_allocation(request(9, 0, "b"), [20, 21], 8)
+    conn.fetcher.submit(lambda: None).result()
+    conn.wait(5.0)  # its load is done: nothing to wait for
+    assert waited == []
+    held = threading.Event()
+    conn.fetcher.submit(held.wait, 10)
+    conn.after_allocation(request(9, 0, "c"), [22, 23], 8)  # behind the held task
+    conn.loads.pop("b")
+    conn.wait(5.0)
+    assert waited == [([conn.loads["c"].future], 5.0, "FIRST_COMPLETED")]
+    held.set()
+
+
+def test_a_new_connector_times_one_probe_load_and_leaves_no_entry(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sc, "time", Ticks())
+    pool, store = Pool(), DiskStore(tmp_path, 1 << 20)
+    stats = KVTransferStats()
+    conn = sc.make_connector(store, pool, BS, ROOT, stats, 2.0, 8, background_saves=False)
+    assert pool.reads == [[0]]  # block 0, which every pool has
+    assert conn.cost == sc.TransferCost(0.25, 1.0, False)
+    assert conn.saver is None and conn.block_size == BS and conn.root == ROOT
+    assert conn.io is pool and conn.stats is stats and conn.store is store
+    assert conn.layout == layout_of(pool.read_kv_blocks([0]))
+    assert (store.stats.bytes_written, store.stats.hits, store.stats.evictions) == (PAYLOAD, 1, 1)
+    assert stored_files(tmp_path) == []
+    always = sc.make_connector(store, pool, BS, ROOT, KVTransferStats(), 2.0, 8, True)
+    assert always.cost.always and always.saver is not None
+    conn.close()
+    always.close()
+
+
+def stored_files(root) -> list:
+    return [p for p in root.glob("??/*")]
+
+
+def test_the_probe_key_is_no_chains(tmp_path) -> None:
+    """With one-token blocks, token 1's first block is a real entry: the probe
+    (token -1) leaves it alone."""
+    store = DiskStore(tmp_path, 1 << 20)
+    real = sc.chain_hash(ROOT, [1])
+    store.put(real, b"kept")
+    sc.make_connector(store, Pool(), 1, ROOT, KVTransferStats(), 1.0, 1).close()
+    assert store.get(real) == b"kept"
+
+
+def test_the_threads_are_one_each_named_and_the_records_bounded(parts) -> None:
+    conn = background(parts)
+    name = threading.current_thread
+    assert conn.fetcher.submit(lambda: name().name).result().startswith("kv-store_")
+    assert conn.saver.submit(lambda: name().name).result().startswith("kv-store-save_")
+    assert conn.fetcher._max_workers == 1 and conn.saver._max_workers == 1  # in order
+    assert conn.records.maxlen == sc.RECORDS_KEPT
+    conn.close()
+
+
+def test_close_waits_for_the_saves_begun_and_cancels_the_loads_queued(parts) -> None:
+    conn = background(parts)
+    _, _, _, stats = parts
+    saving, fetching = threading.Event(), threading.Event()
+    conn.saver.submit(saving.wait, 10)
+    conn.request_finished(request(9, 9), [7, 3, 9])  # queued behind the held task
+    running = conn.fetcher.submit(fetching.wait, 10)
+    conn.after_allocation(request(9, 0, "b"), [20, 21], 8)
+    queued = conn.loads["b"].future
+
+    saved_by_then: list[int] = []
+
+    def release() -> None:
+        """The save once close has begun; the fetch once close stops the loads
+        (by then the save must be in the store)."""
+        for pool, held in ((conn.saver, saving), (conn.fetcher, fetching)):
+            while not pool._shutdown:
+                time.sleep(0.01)
+            saved_by_then.append(stats.saved_blocks)
+            held.set()
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    conn.close()  # returns once the save is done and the running fetch ended
+    ended = running.done()
+    releaser.join()
+    assert saved_by_then == [0, 2] and ended and queued.cancelled()
