@@ -13,14 +13,17 @@ import asyncio
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.request_checker import RequestChecker
+from engine.core.request_checker import BlockChain, RequestChecker
 from engine.entrypoints import read_timeouts
 from engine.entrypoints.read_timeouts import BodyTimedOut, BodyTimeout, HeadTimeoutProtocol
 from engine.kv.block_manager import HOLE, BlockManager
+from engine.kv.handoff import Handoff
+from engine.kv.store_connector import block_chain
 from engine.outputs import FinishReason
-from engine.sched.drafts import cut_drafts
+from engine.sched.drafts import cut_drafts, proposed
 from engine.sequence import Sequence
 from engine.spec_decode import Draft
+from engine.spec_decode.verify_length import StepShape
 from engine.stats import SpecDecodeStats
 from tests.engine.test_drafts import fold, scheduler
 from tests.server.conftest import TINY
@@ -216,3 +219,83 @@ def test_the_window_marks_the_tokens_computed_at_its_first_give_back_only() -> N
     assert bm.free_outside_window(seq, 4, 8) == 0
     bm.free(seq)
     assert seq.num_unwindowed_tokens is None and bm.num_free_blocks == 16
+
+
+# ------------------------------------------------------------ handed-on requests
+
+
+def handing(max_model_len: int = 16) -> RequestChecker:
+    chain = BlockChain(b"r" * 32, 4)
+    return RequestChecker(None, 100, max_model_len, None, 0, chain)  # type: ignore[arg-type]
+
+
+PROMPT = list(range(10, 19))  # 9 tokens: two full blocks of 4
+
+
+@pytest.mark.parametrize(
+    "outputs,blocks,params,why",
+    [
+        ([5], 3, SamplingParams(), "do not match"),  # three blocks of a two-block prompt
+        ([5], 2, SamplingParams(structured_outputs=None, prompt_logprobs=1), "prompt_logprobs"),
+        ([], 2, SamplingParams(), r"output token ids must be integers in \[0, 100\)"),
+        ([100], 2, SamplingParams(), r"output token ids must be integers in \[0, 100\)"),
+        ([5, 6, 7], 2, SamplingParams(max_tokens=3), "no room left"),  # 3 of max_tokens 3
+        ([5] * 7, 2, SamplingParams(), "no room left"),  # 9 + 7 = 16, the model's length
+    ],
+)
+def test_a_handoff_is_refused_exactly_past_each_limit(outputs, blocks, params, why) -> None:
+    c = handing()
+    chain = c.store_chain.of(PROMPT, blocks)
+    with pytest.raises(ValueError, match=why):
+        c.check("a", PROMPT, params, Handoff(outputs, 0, chain))
+
+
+def test_a_handoff_just_within_the_limits_continues_the_request() -> None:
+    c = handing()
+    chain = c.store_chain.of(PROMPT, 2)
+    assert chain == block_chain(b"r" * 32, PROMPT, 4, 2) and len(chain) == 2
+    seq = c.check("a", PROMPT, SamplingParams(max_tokens=7), Handoff([5] * 6, 0, chain))
+    assert seq.token_ids == PROMPT + [5] * 6 and seq.num_prompt_tokens == 9  # 15 of 16
+    assert seq.handoff is not None and seq.handoff.block_hashes == chain
+    assert c.check("b", PROMPT, None, Handoff([99], 0, chain[:1])).num_tokens == 10
+    with pytest.raises(ValueError, match="needs a kv_store"):
+        checker(max_model_len=16).check("c", PROMPT, None, Handoff([5], 0, chain))
+
+
+# ------------------------------------------------------------ the verify schedule's view
+
+
+class Shapes:
+    """A verify-length schedule that records the step it is shown and keeps one draft."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[StepShape, list[str]]] = []
+
+    def cut(self, drafts: dict[str, Draft], step: StepShape) -> dict[str, Draft]:
+        self.seen.append((step, sorted(drafts)))
+        return {r: d.head(1) for r, d in drafts.items()}
+
+
+def running(rid: str, n: int, computed: int, drafts: list[int], at: int | None = None) -> Sequence:
+    seq = Sequence(rid, list(range(n)), SamplingParams())
+    seq.num_computed_tokens = computed
+    seq.spec_token_ids, seq.spec_at = drafts, n if at is None else at
+    return seq
+
+
+def test_the_schedule_sees_the_steps_tokens_and_sure_outputs_and_fresh_drafts_only() -> None:
+    seqs = [
+        running("a", 8, 7, [1, 2, 3]),  # decoding, fresh drafts
+        running("b", 8, 7, [1, 2], at=7),  # drafts made before its newest token: stale
+        running("c", 8, 7, []),  # decoding, no drafts
+        running("d", 20, 8, [1]),  # a prefill chunk of 12 to go
+    ]
+    schedule = Shapes()
+    left = lambda s: s.num_tokens - s.num_computed_tokens  # noqa: E731
+    got = proposed(seqs, left, schedule, 64)
+    assert schedule.seen == [(StepShape(1 + 1 + 1 + 12, 3), ["a"])]
+    assert {r: d.token_ids for r, d in got.items()} == {"a": [1]}
+    proposed(seqs, left, schedule, 10)  # the budget caps the step's tokens
+    assert schedule.seen[-1][0] == StepShape(10, 3)
+    assert proposed(seqs[1:3], left, schedule, 64) == {} and len(schedule.seen) == 2
+    assert proposed(seqs, left, None, 64)["a"].token_ids == [1, 2, 3]

@@ -147,3 +147,115 @@ def test_kv_store_request_histograms_observe_each_record(direction: str) -> None
     assert value(metrics, "kv_store_request_transfer_to_recompute_sum", **on) == 2.25
     assert value(metrics, "kv_store_request_transfer_to_recompute_bucket", le="0.3", **on) == 1
     assert value(metrics, "kv_store_request_transfer_to_recompute_bucket", le="2.0", **on) == 2
+
+
+# What /metrics exports, by name under `deepinfer:`: its type and its help line,
+# as a scrape shows them. A metric renamed, retyped or dropped changes a client's
+# dashboard, so each is named here.
+CATALOGUE = {
+    "time_to_first_token_seconds": ("histogram", "Time to first token."),
+    "inter_token_latency_seconds": ("histogram", "Time between tokens."),
+    "e2e_request_latency_seconds": ("histogram", "Arrival to last token."),
+    "request_queue_time_seconds": ("histogram", "Arrival to first scheduled."),
+    "request_prefill_time_seconds": (
+        "histogram",
+        "Last scheduled before the first token, to the first token.",
+    ),
+    "request_decode_time_seconds": ("histogram", "First token to last token."),
+    "num_requests_running": ("gauge", "Requests in the running batch."),
+    "num_requests_waiting": ("gauge", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": ("gauge", "Share of KV blocks in use (0-1)."),
+    "prefix_cache_queries": ("counter", "Prompt tokens looked up."),
+    "prefix_cache_hits": ("counter", "Prompt tokens found cached."),
+    "prefix_cache_hit_rate": ("gauge", "Prompt tokens found cached / looked up, since start."),
+    "num_preemptions": ("counter", "Requests preempted."),
+    "prompt_tokens": ("counter", "Prompt tokens of started requests."),
+    "generation_tokens": ("counter", "Tokens generated."),
+    "request_success": ("counter", "Finished requests."),
+    "request_aborted": ("counter", "Requests aborted by their clients."),
+    "request_rejected": ("counter", "Requests refused: too many waiting."),
+    "request_failed": ("counter", "Requests failed by the engine."),
+    "http_requests": ("counter", "HTTP requests answered."),
+    "spec_decode_num_drafts": ("counter", "Verify steps (with drafts)."),
+    "spec_decode_num_draft_tokens": ("counter", "Draft tokens proposed and verified."),
+    "spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted."),
+    "spec_decode_accepted_length": ("histogram", "Drafts accepted per verify step."),
+    "spec_decode_chosen_length": (
+        "histogram",
+        "Drafts a request was scheduled to verify, per step that gave it drafts.",
+    ),
+    "spec_decode_forwards_per_output_token": ("gauge", "Target forwards per output token."),
+    "kv_store_loads": (
+        "counter",
+        "Loads from the KV store begun (a preempted request loads again).",
+    ),
+    "kv_store_hit_tokens": (
+        "counter",
+        "Prompt tokens loaded from the KV store instead of computed.",
+    ),
+    "kv_store_handoff_tokens": ("counter", "Of those, tokens a prefill worker handed on."),
+    "kv_store_skipped_tokens": (
+        "counter",
+        "Tokens the store held but that were recomputed, estimated cheaper.",
+    ),
+    "kv_store_failed_blocks": (
+        "counter",
+        "Blocks missing, corrupt or wrong when fetched, then recomputed.",
+    ),
+    "kv_store_loaded_bytes": ("counter", "Bytes loaded from the KV store."),
+    "kv_store_saved_bytes": ("counter", "Bytes saved to the KV store."),
+    "kv_store_saved_blocks": ("counter", "Blocks saved to the KV store."),
+    "kv_store_dropped_saves": (
+        "counter",
+        "Finished requests not saved: too many bytes already waiting to be.",
+    ),
+    "kv_store_load_seconds": (
+        "counter",
+        "Seconds fetching, checking and writing blocks from the store.",
+    ),
+    "kv_store_save_seconds": ("counter", "Seconds saving blocks to the store."),
+    "kv_store_recompute_seconds_estimate": (
+        "counter",
+        "Seconds computing the loaded tokens was estimated to take.",
+    ),
+    "kv_store_backend_hits": ("counter", "Store reads that found a verified entry."),
+    "kv_store_backend_misses": ("counter", "Store reads that found nothing."),
+    "kv_store_backend_corrupt": (
+        "counter",
+        "Store reads that found a truncated, corrupt or misplaced entry (evicted).",
+    ),
+    "kv_store_backend_errors": (
+        "counter",
+        "Store operations its backend failed (a miss, or a save lost).",
+    ),
+    "kv_store_backend_evictions": (
+        "counter",
+        "Store entries this worker removed, for room or as corrupt.",
+    ),
+    "kv_store_request_bytes": ("histogram", "Bytes one request loaded from or saved to the store."),
+    "kv_store_request_transfer_to_recompute": (
+        "histogram",
+        "One request's transfer seconds over the estimated seconds to compute its tokens.",
+    ),
+}
+LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BUCKETS = {
+    **dict.fromkeys([n for n, (t, _) in CATALOGUE.items() if n.endswith("_seconds")], LATENCY),
+    "spec_decode_accepted_length": tuple(range(17)),
+    "spec_decode_chosen_length": tuple(range(17)),
+    "kv_store_request_bytes": tuple(4**k for k in range(6, 17)),
+    "kv_store_request_transfer_to_recompute": (0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 3, 10, 30, 100),
+}
+
+
+def test_every_metric_is_exported_under_its_name_type_help_and_buckets() -> None:
+    metrics = ServerMetrics(MODEL)
+    families = {f.name.removeprefix("deepinfer:"): f for f in metrics.registry.collect()}
+    assert {n: (f.type, f.documentation) for n, f in families.items()} == CATALOGUE
+    for name, family in families.items():
+        bounds = [float(s.labels["le"]) for s in family.samples if "le" in s.labels]
+        if family.type == "histogram":
+            per_series = len(bounds) // len({s.labels.get("direction") for s in family.samples})
+            assert bounds[:per_series] == [*map(float, BUCKETS[name]), float("inf")], name
+        else:
+            assert bounds == [], name
