@@ -9,8 +9,11 @@ another; these check the numbers themselves."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
+from tokenizers import Tokenizer
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine import LLM, SamplingParams
 from engine.core.request_checker import BlockChain, RequestChecker
@@ -299,3 +302,141 @@ def test_the_schedule_sees_the_steps_tokens_and_sure_outputs_and_fresh_drafts_on
     assert schedule.seen[-1][0] == StepShape(10, 3)
     assert proposed(seqs[1:3], left, schedule, 64) == {} and len(schedule.seen) == 2
     assert proposed(seqs, left, None, 64)["a"].token_ids == [1, 2, 3]
+
+
+class Grammar:
+    """A grammar that accepts ``n`` drafts, recording what it was caught up with."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.caught_up, self.asked = n, [], []
+
+    def catch_up(self, token_ids: list[int]) -> None:
+        self.caught_up.append(list(token_ids))
+
+    def draft_prefix(self, token_ids: list[int]) -> int:
+        self.asked.append(list(token_ids))
+        return self.n
+
+
+def test_under_a_grammar_only_the_drafts_it_accepts_are_chosen() -> None:
+    seq = decoding(3, 2)
+    seq.structured_output = grammar = Grammar(2)  # type: ignore[assignment]
+    stats = SpecDecodeStats()
+    kept = cut_drafts(seq, 1, 64, FIVE, None, stats)
+    assert kept.token_ids == [1, 2] and stats.chosen_lengths == [0, 0, 1]
+    assert grammar.caught_up == [[3, 4]] and grammar.asked == [[1, 2, 3, 4, 5]]
+
+
+def test_the_schedule_gets_each_drafts_confidence() -> None:
+    seq = running("a", 8, 7, [1, 2])
+    seq.spec_confidence = (0.5, 0.25)
+    seen: list[Draft] = []
+
+    class Keep:
+        def cut(self, drafts: dict[str, Draft], step: StepShape) -> dict[str, Draft]:
+            seen.extend(drafts.values())
+            return drafts
+
+    proposed([seq], lambda s: 1, Keep(), 64)
+    assert seen == [Draft([1, 2], None, (0.5, 0.25))]
+
+
+# ------------------------------------------------------------ the request checker's refusals
+
+
+def test_each_refusal_names_what_is_wrong_exactly() -> None:
+    c = checker(max_model_len=64)
+    with pytest.raises(ValueError, match=r"^this model folder has no tokenizer.json; pass token ids$"):  # fmt: skip
+        c.check("a", "text")
+    with pytest.raises(ValueError, match=r"^prompt is empty$"):
+        c.check("a", [])
+    with pytest.raises(ValueError, match=r"^prompt token ids must be integers in \[0, 100\)$"):
+        c.check("a", [1, 100])
+    bias = SamplingParams(logit_bias={99: 1.0, 100: 1.0, 150: 1.0})
+    with pytest.raises(ValueError, match=r"^logit_bias names token id 100, outside the vocabulary \[0, 100\)$"):  # fmt: skip
+        c.check("a", [1], bias)
+    assert c.check("a", [0, 99], SamplingParams(logit_bias={99: 1.0})).token_ids == [0, 99]
+
+
+def test_a_text_prompt_is_tokenized_by_the_models_tokenizer() -> None:
+    tokenizer = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    c = RequestChecker(tokenizer, 320, 64, None, 0)  # type: ignore[arg-type]
+    text = "The scheduler admits a request."
+    assert c.check("a", text).token_ids == tokenizer.encode(text).ids
+    assert c.tokenizer is tokenizer
+
+
+def test_the_body_clock_stops_at_a_body_without_more_and_passes_other_scopes(monkeypatch) -> None:
+    waits: list[float] = []
+
+    async def wait_for(awaitable, timeout: float):
+        waits.append(timeout)
+        return await awaitable
+
+    monkeypatch.setattr(read_timeouts.asyncio, "wait_for", wait_for)
+    pieces = [{"type": "http.request", "body": b"a"}]  # no more_body: the whole body
+
+    async def receive() -> dict:
+        return pieces.pop(0) if pieces else {"type": "http.disconnect"}
+
+    async def app(scope, receive, send) -> None:
+        await receive()
+        await receive()
+
+    asyncio.run(BodyTimeout(app, 1.5)({"type": "http"}, receive, None))  # type: ignore[arg-type]
+    assert waits == [1.5]
+    called = []
+
+    async def lifespan(*args) -> None:
+        called.append(args)
+
+    scope, send = {"type": "lifespan"}, object()
+    asyncio.run(BodyTimeout(lifespan, 1.5)(scope, receive, send))  # type: ignore[arg-type]
+    assert called == [(scope, receive, send)] and waits == [1.5]
+
+
+def test_a_body_timeout_outside_the_apps_handlers_is_a_408_in_openais_shape(monkeypatch) -> None:
+    async def wait_for(awaitable, timeout: float):
+        awaitable.close()
+        raise TimeoutError
+
+    monkeypatch.setattr(read_timeouts.asyncio, "wait_for", wait_for)
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": True}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope, receive, send) -> None:
+        await receive()  # as a middleware reading the body before the handlers would
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+    asyncio.run(BodyTimeout(app, 1.5)(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["message"] == "the request body paused for more than 1.5 s"
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_kept_alive_connection_starts_the_head_clock_again(monkeypatch) -> None:
+    monkeypatch.setattr(H11Protocol, "on_response_complete", lambda self: None)
+    protocol = object.__new__(HeadTimeoutProtocol)
+    protocol.head_timeout, protocol.head_timer, protocol.cycle = 2.5, None, None
+    protocol.loop = clock = Clock()  # type: ignore[assignment]
+
+    class Transport:
+        closing = False
+
+        def is_closing(self) -> bool:
+            return self.closing
+
+    protocol.transport = transport = Transport()  # type: ignore[assignment]
+    protocol.on_response_complete()
+    assert clock.calls == [2.5]
+    transport.closing = True
+    protocol._stop_clock()
+    protocol.on_response_complete()  # closing: no clock
+    assert clock.calls == [2.5] and protocol.head_timer is None
+    clock.loop.close()
