@@ -133,7 +133,6 @@ class StoreConnector:
             return 0, False
         return found * bs, True
 
-
     def after_allocation(
         self, seq: Sequence, block_ids: list[int], num_external_tokens: int
     ) -> None:
@@ -159,7 +158,6 @@ class StoreConnector:
             found.append(block[1])
             nbytes += len(payload)
         return found, nbytes
-
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a load to finish, if none has."""
@@ -223,7 +221,6 @@ class StoreConnector:
         else:
             self._put_later(chain[have:], tokens, data, copied)
         return False
-
 
     def _put(
         self, keys: list[bytes], tokens: list[list[int]], data: KVBlocks, copied: float
