@@ -23,11 +23,13 @@ from engine.kv.block_manager import HOLE, BlockManager
 from engine.kv.handoff import Handoff
 from engine.kv.store_connector import block_chain
 from engine.outputs import FinishReason
+from engine.sampling_params import StructuredOutputsParams
 from engine.sched.drafts import cut_drafts, proposed
 from engine.sequence import Sequence
 from engine.spec_decode import Draft
 from engine.spec_decode.verify_length import StepShape
 from engine.stats import SpecDecodeStats
+from engine.structured_output import StructuredOutputManager
 from tests.engine.test_drafts import fold, scheduler
 from tests.server.conftest import TINY
 
@@ -233,17 +235,27 @@ def handing(max_model_len: int = 16) -> RequestChecker:
 
 
 PROMPT = list(range(10, 19))  # 9 tokens: two full blocks of 4
+MISMATCH = (
+    "^the handed-on block hashes do not match this engine's: the sender serves "
+    "another model, KV format or block size, or another prompt$"
+)
+NO_ROOM = "^the handed-on request has no room left to generate$"
 
 
 @pytest.mark.parametrize(
     "outputs,blocks,params,why",
     [
-        ([5], 3, SamplingParams(), "do not match"),  # three blocks of a two-block prompt
-        ([5], 2, SamplingParams(structured_outputs=None, prompt_logprobs=1), "prompt_logprobs"),
+        ([5], 3, SamplingParams(), MISMATCH),  # three blocks of a two-block prompt
+        (
+            [5],
+            2,
+            SamplingParams(prompt_logprobs=1),
+            "^a handed-on request cannot have structured outputs or prompt_logprobs$",
+        ),  # fmt: skip
         ([], 2, SamplingParams(), r"output token ids must be integers in \[0, 100\)"),
         ([100], 2, SamplingParams(), r"output token ids must be integers in \[0, 100\)"),
-        ([5, 6, 7], 2, SamplingParams(max_tokens=3), "no room left"),  # 3 of max_tokens 3
-        ([5] * 7, 2, SamplingParams(), "no room left"),  # 9 + 7 = 16, the model's length
+        ([5, 6, 7], 2, SamplingParams(max_tokens=3), NO_ROOM),  # 3 of max_tokens 3
+        ([5] * 7, 2, SamplingParams(), NO_ROOM),  # 9 + 7 = 16, the model's length
     ],
 )
 def test_a_handoff_is_refused_exactly_past_each_limit(outputs, blocks, params, why) -> None:
@@ -261,7 +273,7 @@ def test_a_handoff_just_within_the_limits_continues_the_request() -> None:
     assert seq.token_ids == PROMPT + [5] * 6 and seq.num_prompt_tokens == 9  # 15 of 16
     assert seq.handoff is not None and seq.handoff.block_hashes == chain
     assert c.check("b", PROMPT, None, Handoff([99], 0, chain[:1])).num_tokens == 10
-    with pytest.raises(ValueError, match="needs a kv_store"):
+    with pytest.raises(ValueError, match="^a handed-on request needs a kv_store to load its blocks from$"):  # fmt: skip
         checker(max_model_len=16).check("c", PROMPT, None, Handoff([5], 0, chain))
 
 
@@ -439,4 +451,46 @@ def test_a_kept_alive_connection_starts_the_head_clock_again(monkeypatch) -> Non
     protocol._stop_clock()
     protocol.on_response_complete()  # closing: no clock
     assert clock.calls == [2.5] and protocol.head_timer is None
+    clock.loop.close()
+
+
+def test_a_structured_request_gets_its_grammar_from_the_checkers_manager() -> None:
+    tokenizer = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size()
+    manager = StructuredOutputManager(tokenizer, vocab, [2])
+    c = RequestChecker(tokenizer, vocab, 64, manager, 0)
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    seq = c.check("a", [5, 6], SamplingParams(structured_outputs=spec))
+    assert seq.structured_output is not None
+    assert seq.structured_output.compiled is manager.compile(spec)
+
+
+def test_the_head_clock_waits_for_a_new_head_and_a_late_one_closes_once(monkeypatch) -> None:
+    monkeypatch.setattr(H11Protocol, "handle_events", lambda self: None)
+    protocol = object.__new__(HeadTimeoutProtocol)
+    protocol.head_timeout, protocol.head_timer = 2.5, None
+    protocol.cycle = kept = object()  # the last request's cycle, on a kept-alive connection
+    protocol.loop = clock = Clock()  # type: ignore[assignment]
+    closed: list[bool] = []
+
+    class Transport:
+        def is_closing(self) -> bool:
+            return bool(closed)
+
+        def close(self) -> None:
+            closed.append(True)
+
+    protocol.transport = Transport()  # type: ignore[assignment]
+    protocol._start_clock()
+    protocol.handle_events()  # bytes of the next head, not yet whole: the clock runs
+    assert protocol.head_timer is clock.handles[0] and protocol.waiting_cycle is kept
+    protocol.cycle = object()  # the head came whole: a new cycle
+    protocol.handle_events()
+    assert protocol.head_timer is None and clock.handles[0].cancelled()
+    protocol._start_clock()
+    protocol._late()
+    assert closed == [True] and protocol.head_timer is None
+    protocol._stop_clock()  # as connection_lost does after: nothing left to cancel
+    protocol._late()  # already closing: not closed twice
+    assert closed == [True]
     clock.loop.close()
