@@ -131,7 +131,7 @@ class InputBatch:
         """Flatten the scheduled requests into one batch, decodes first (flatten),
         with the attention metadata and the rows whose logits are needed."""
         q = decode_query_len(max((item.num_drafts for item in out.scheduled), default=0))
-        items = sorted(out.scheduled, key=lambda s: not is_decode(s, q))  # stable
+        items, num_decodes = decodes_first(out.scheduled, q)
         flat = flatten(items, self.block_size)
         if self.reads_block_holes:  # by position, holes and all (DeepSeek-V4)
             flat.tables, flat.context_lens = tables_with_holes(items)
@@ -143,7 +143,7 @@ class InputBatch:
         return ModelInput(
             self._tensor(flat.input_ids, torch.int64),
             self._tensor(flat.positions, torch.int64),
-            self._metadata(flat, items, q),
+            self._metadata(flat, items, q, num_decodes),
             self._tensor(flat.logits_indices, torch.int64),
             flat.req_ids,
             [self._first_output(item) for item in sampling],
@@ -154,13 +154,13 @@ class InputBatch:
         )
 
     def _metadata(
-        self, flat: FlatBatch, items: list[ScheduledRequest], q: int
+        self, flat: FlatBatch, items: list[ScheduledRequest], q: int, num_decodes: int
     ) -> AttentionMetadata:
-        """What attention reads of the step, on the device."""
+        """What attention reads of the step, on the device; ``items`` hold their
+        ``num_decodes`` decodes first."""
         cu_seqlens = [0]
         for n in flat.query_lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
-        num_decodes = sum(1 for item in items if is_decode(item, q))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(flat.slots, torch.int64),
             block_tables=self._tensor(padded(flat.tables), torch.int32),
@@ -280,6 +280,17 @@ def grammar_rows(req_ids: list[str], first_row: dict[str, int]) -> list[int]:
         seen[req_id] = seen.get(req_id, -1) + 1
         rows.append(first_row[req_id] + seen[req_id])
     return rows
+
+
+def decodes_first(
+    scheduled: list[ScheduledRequest], query_len: int
+) -> tuple[list[ScheduledRequest], int]:
+    """The step's requests with its decodes first, each group in the scheduler's
+    order, and how many decode."""
+    decodes, rest = [], []
+    for item in scheduled:
+        (decodes if is_decode(item, query_len) else rest).append(item)
+    return decodes + rest, len(decodes)
 
 
 def is_decode(item: ScheduledRequest, query_len: int) -> bool:

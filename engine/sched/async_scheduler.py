@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from engine.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, TokenRow
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
+from engine.sched.stopping import length_reached
 from engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.proposer import NO_DRAFT, Draft
@@ -81,7 +82,7 @@ class AsyncScheduler(Scheduler):
         return out
 
     def _num_new_tokens(self, seq: Sequence) -> int:
-        if seq.token_ids[-1] == PLACEHOLDER and self._length_reached(seq):
+        if seq.token_ids[-1] == PLACEHOLDER and length_reached(seq, self.max_model_len):
             return 0  # the token in flight is its last: nothing comes after it
         return super()._num_new_tokens(seq)
 

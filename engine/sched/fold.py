@@ -14,7 +14,7 @@ from collections.abc import Collection
 from engine.kv.block_manager import BlockManager
 from engine.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, TokenRow
 from engine.sched.drafts import keep_drafts
-from engine.sched.stopping import length_reached, stop_reason
+from engine.sched.stopping import stop_reason
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence
 from engine.stats import EngineStats
@@ -111,6 +111,3 @@ class OutputFold:
             self.stats.spec_decode.observe(item.num_drafts, item.num_drafts - rejected)
             self.block_manager.free_tail(seq, seq.num_computed_tokens)
         self.block_manager.cache_full_blocks(seq)
-
-    def _length_reached(self, seq: Sequence) -> bool:
-        return length_reached(seq, self.max_model_len)
