@@ -29,12 +29,14 @@ from engine.utils import to_device
 class Drafter(Protocol):
     """A proposer as the model runner drives it."""
 
+    reads_hidden: bool  # whether propose() reads the step's hidden states
+
     def propose(
-        self, step: PreparedStep, output: ModelRunnerOutput | None, hidden: torch.Tensor
+        self, step: PreparedStep, output: ModelRunnerOutput | None, hidden: torch.Tensor | None
     ) -> None:
         """After sampling: put the drafts after each sampled request's newest
         token into ``output`` (rank 0's; None on another rank). ``hidden``: the
-        step's last hidden states, every position's."""
+        step's last hidden states, every position's, if ``reads_hidden``; else None."""
         ...
 
     def probs(self, req_id: str) -> torch.Tensor | None:
@@ -48,6 +50,8 @@ class TokenDrafts:
     """A proposer that reads each request's tokens (n-gram, draft model), kept
     here as DraftRequests, grown by each step's accepted tokens."""
 
+    reads_hidden = False
+
     def __init__(self, proposer: DraftProposer, states: dict[str, CachedRequestState]) -> None:
         """``states``: the runner's requests (InputBatch.requests), for a new one's prompt."""
         self.proposer, self.states = proposer, states
@@ -55,7 +59,7 @@ class TokenDrafts:
         self.q: dict[str, torch.Tensor] = {}  # by request id: its latest drafts' q, if drawn
 
     def propose(
-        self, step: PreparedStep, output: ModelRunnerOutput | None, hidden: torch.Tensor
+        self, step: PreparedStep, output: ModelRunnerOutput | None, hidden: torch.Tensor | None
     ) -> None:
         if output is None:  # another rank: rank 0's drafts are the step's
             return
@@ -94,12 +98,15 @@ class HiddenDrafts:
     """DeepSeek's MTP module (spec_decode/mtp.py), which drafts from the step's
     hidden states, on every rank, from rank 0's tokens."""
 
+    reads_hidden = True
+
     def __init__(self, proposer: MTPProposer, expert_parallel_size: int) -> None:
         self.proposer, self.ep = proposer, expert_parallel_size
 
     def propose(
-        self, step: PreparedStep, output: ModelRunnerOutput | None, hidden: torch.Tensor
+        self, step: PreparedStep, output: ModelRunnerOutput | None, hidden: torch.Tensor | None
     ) -> None:
+        assert hidden is not None  # reads_hidden: the runner kept them
         tokens, accepted = self._from_rank0(step, output, hidden.device)
         batch = step.batch
         drafts = self.proposer.propose(batch.items, batch.input_ids, hidden, tokens, accepted)

@@ -80,7 +80,7 @@ class ModelRunner:
         # At most one of the two: graphs need CUDA, the compiled decode a CPU.
         self.fast_path: DecodeFastPath | None = self.graphs or self.compiled
         self.sampled_hidden_states: torch.Tensor | None = None  # of the last step (forward)
-        self.step_hidden_states: torch.Tensor | None = None  # every position's, for a drafter
+        self.step_hidden_states: torch.Tensor | None = None  # every position's, for MTP
 
     def _lay_out_weights(self) -> None:
         """Batch-invariant tiles, or a CPU's packed matmul weights, or neither."""
@@ -172,7 +172,7 @@ class ModelRunner:
         """One forward pass; logits only for the rows that will sample, and for the
         prompt rows of requests that asked for prompt_logprobs. The sampled rows'
         last hidden states are kept, in row order: what a draft proposer such as
-        the MTP module starts from; every position's too while one drafts."""
+        the MTP module starts from; every position's too while it drafts."""
         batch = step.batch
         start = time.perf_counter()
         if step.fast:  # decodes alone: CUDA graphs or the compiled decode (fast_path.py)
@@ -182,7 +182,8 @@ class ModelRunner:
             with forward_context(batch.meta, step.attn_metadata, self.backend):
                 hidden = self.model(batch.input_ids, batch.positions)
         self.sampled_hidden_states = hidden[batch.logits_indices]
-        self.step_hidden_states = hidden if self.drafter is not None else None
+        reads = self.drafter is not None and self.drafter.reads_hidden
+        self.step_hidden_states = hidden if reads else None
         logits = self.model.compute_logits(self.sampled_hidden_states).float()
         self.stats.forward_seconds += time.perf_counter() - start
         return logits
