@@ -347,18 +347,45 @@ PAST_THE_EDGE = """s => [...document.querySelectorAll(s)].map(e => {
 })"""
 
 
+# Each indented code line's hanging indent as laid out: its indentation in
+# columns, the padding and text indent it got, and the width of one column.
+HANGING = """() => {
+  const probe = document.createElement('code');
+  probe.textContent = '0'.repeat(40);
+  document.querySelector('.highlight pre').append(probe);
+  const ch = probe.getBoundingClientRect().width / 40;
+  probe.remove();
+  const lines = document.querySelectorAll(
+    '.highlight:not(details.output .highlight) code > span[style*="--lead"]');
+  return [...lines].slice(0, 200).map(line => {
+    const c = getComputedStyle(line);
+    return {lead: parseInt(line.style.getPropertyValue('--lead')), ch,
+            pad: parseFloat(c.paddingLeft), indent: parseFloat(c.textIndent)};
+  });
+}"""
+
+
 def test_code_and_the_experiments_fit_a_phone(open_page, site) -> None:
-    """On a phone an excerpt's lines wrap instead of scrolling sideways, the
-    experiments table fits the screen, and Appendix B's figure is drawn whole."""
+    """On a phone an excerpt's lines wrap instead of scrolling sideways, each
+    wrapped line going on right of its own indentation; the experiments table,
+    Appendix B's tables and the book's figures fit the screen."""
     page = open_page(PHONE)
     problems = []
     load(page, site.url + READ_FIRST["ch01"])
     for block in page.evaluate(CODE_FIT):
         if block["scrolls"]:
             problems.append(f"ch01: {block['title']} scrolls sideways on a phone")
+    lines = page.evaluate(HANGING)
+    assert len(lines) > 20, "expected Chapter 1's indented code lines"
+    for line in lines:
+        start = line["lead"] * line["ch"]  # where the line's own text starts
+        if not (line["pad"] > start + 2 * line["ch"] and abs(line["indent"] + line["pad"]) < 1):
+            problems.append(f"ch01: a wrapped code line would not go on under its start: {line}")
     for url, selector in (
         ("experiments/", ".experiments-table table"),
         ("appendix-b-repository-map/", "figure:has(.mermaid)"),
+        ("appendix-b-repository-map/", ".repo-map table"),
+        (READ_FIRST["ch01"], "figure:has(.mermaid)"),
     ):
         load(page, site.url + url)
         for box in page.evaluate(PAST_THE_EDGE, selector):

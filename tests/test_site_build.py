@@ -261,3 +261,21 @@ def test_experiment_linker(html: str, linked: list[str]) -> None:
     out = hook.link_experiments(html, "ch02/", "test")
     assert re.findall(r'<a class="experiment-link" href="[^"]+">([^<]+)</a>', out) == linked
     assert re.sub(r"<[^>]+>", "", out) == re.sub(r"<[^>]+>", "", html)
+
+
+@pytest.mark.parametrize(
+    ("line", "lead"),
+    [
+        ('<a id="x"></a><span class="k">def</span> f():', None),
+        ('<a id="x"></a>    <span class="n">x</span>', 4),
+        ('<a id="x"></a><span class="w">        </span><span class="n">y</span>', 8),
+        ('<a id="x"></a><span class="sd">  """doc</span>', 2),
+        ('<a id="x"></a>   ', None),  # a line of spaces only
+    ],
+)
+def test_each_indented_code_line_is_marked_with_its_indentation(line: str, lead) -> None:
+    book = load_script(ROOT / "docs" / "hooks" / "book.py", "book_hooks")
+    html = f'<code><span id="__span-0-1">{line}\n</span><span id="__span-0-2">x\n</span></code>'
+    marked = book.mark_indents(html)
+    style = f' style="--lead:{lead}ch"' if lead else ""
+    assert marked == html.replace('<span id="__span-0-1">', f'<span id="__span-0-1"{style}>')

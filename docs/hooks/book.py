@@ -149,14 +149,34 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     return expand_excerpts(markdown, config, report, page.excerpt_links)
 
 
+CODE_LINE = re.compile(r'<span id="__span-[\d-]+">(?P<body>.*?)(?=\n|<span id="__span-)', re.S)
+TAGS = re.compile(r"<[^>]+>")
+
+
+def mark_indents(html: str) -> str:
+    """Give each code line that starts with spaces its indentation as ``--lead``,
+    so that on a phone a line that wraps goes on under its own start, not the
+    block's edge (book.css: the hanging indent)."""
+
+    def mark(m: re.Match) -> str:
+        text = TAGS.sub("", m["body"])
+        lead = len(text) - len(text.lstrip(" "))
+        if lead == 0 or lead == len(text):
+            return m[0]
+        return m[0].replace('">', f'" style="--lead:{lead}ch">', 1)
+
+    return CODE_LINE.sub(mark, html)
+
+
 def on_page_content(html: str, page, config, files) -> str:
-    """Make each excerpt's title a link to its lines at the edition's commit."""
+    """Make each excerpt's title a link to its lines at the edition's commit, and
+    mark each code line's indentation."""
     for title, url in getattr(page, "excerpt_links", {}).items():
         html = html.replace(
             f'<span class="filename">{title}</span>',
             f'<span class="filename"><a href="{url}">{title}</a></span>',
         )
-    return html
+    return mark_indents(html)
 
 
 def on_post_build(config) -> None:
