@@ -5,7 +5,8 @@ window alone, or with compressed rows beside it at one of two rates), two MoE
 router types, the hyper-connections' stream count, and two RoPE bases. The
 legacy spellings DeepSeek's own configs use (compress_ratios, num_hash_layers,
 qk_rope_head_dim) are folded in as transformers folds them. A value the engine
-does not implement is refused here, naming its field.
+does not implement is refused here, naming its field. Its quantized weights
+(FP8 layers, FP4 experts) are read by fp8_format.py, as every model's are.
 """
 
 from __future__ import annotations
@@ -174,11 +175,6 @@ def _check_fixed(raw: dict) -> None:
                 f"unsupported {name} {raw[name]!r} in config.json for DeepSeek-V4; "
                 f"supported: {supported!r}"
             )
-    if raw.get("quantization_config"):
-        raise ValueError(
-            "quantization_config is set in config.json: the engine loads DeepSeek-V4 "
-            "weights in a floating-point dtype only (dequantize the checkpoint first)"
-        )
 
 
 def _rope_dim(raw: dict, head_dim: int) -> int:

@@ -182,6 +182,7 @@ class ModelConfig:
             # DeepSeek ships one MTP module; a second would need a layer config of its own
             num_mtp_layers=min(1, _mtp_layers(path, raw, "mtp.0.", "model.mtp.0.")),
             v4=v4,
+            fp8=fp8_format(raw),
         )
 
 

@@ -35,6 +35,7 @@ from engine.kv.compressed_cache import (
 )
 from engine.layers.compressor import Compressor
 from engine.layers.partial_rope import PartialRope
+from engine.layers.quantization.fp8 import Fp8Linear, fp8_linear
 from engine.layers.seq_spans import SeqSpan, seq_spans
 from engine.layers.v4_indexer import V4Indexer, visible_rows
 from engine.layers.v4_norm import Float32RMSNorm, unweighted_rms_norm
@@ -166,6 +167,14 @@ class V4Attention(nn.Module):
         """The grouped low-rank output: each group of heads through its own slice of
         wo_a, [tokens, groups * o_lora_rank], then wo_b."""
         groups = out.reshape(len(out), self.groups, -1).transpose(0, 1)  # [groups, tokens, width]
+        if isinstance(self.wo_a, Fp8Linear):  # each group through its rows, read as FP8
+            q, scales = self.wo_a.weight, self.wo_a.weight_scale_inv
+            r = self.wo_a.out_features // self.groups
+            parts = [
+                fp8_linear(groups[g], q[g * r : (g + 1) * r], scales[g * r : (g + 1) * r], None)
+                for g in range(self.groups)
+            ]
+            return self.wo_b(torch.cat(parts, dim=1))
         w = self.wo_a.weight.view(self.groups, -1, groups.shape[-1]).transpose(1, 2)
         mixed = torch.bmm(groups, w).transpose(0, 1).flatten(1)
         return self.wo_b(mixed)

@@ -34,9 +34,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def weight_target(self, name: str) -> str:
+    def weight_target(self, name: str) -> str | None:
         """The parameter a checkpoint tensor fills (a fused or stacked one may take
-        several tensors): what loading a quantized checkpoint asks of the model."""
+        several tensors; None: one the model does not load): what loading a
+        quantized checkpoint asks of the model."""
         return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

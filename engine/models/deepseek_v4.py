@@ -210,6 +210,12 @@ class DeepseekV4ForCausalLM(CausalLM):
                 filled[where.param] += dest.numel()
         check_complete(sorted(n for n, p in params.items() if filled[n] != p.numel()))
 
+    def weight_target(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor fills (None: one the model does not
+        load), which the quantized checkpoints' loader asks for."""
+        where = self._target(name)
+        return None if where is None else where.param
+
     def _target(self, name: str) -> Target | None:
         """Where a checkpoint tensor goes; None for an MTP tensor when the model has
         no MTP module (ModelConfig.num_mtp_layers says why)."""

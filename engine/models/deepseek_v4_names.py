@@ -6,6 +6,11 @@ name. transformers' save_pretrained writes the same names under ``model.``, with
 embed_tokens and hc_head.hc_* instead. Two kinds fill part of a parameter: each
 routed expert's w1 (gate), w3 (up) and w2 (down) one slot of the stacked
 experts, and the shared expert's w1 and w3 the two halves of its gate_up_proj.
+
+A quantized checkpoint's scales fill the ``_scale_inv`` parameter beside their
+weight's, named ``<module>.scale`` in DeepSeek's release, or already
+``<module>.weight_scale_inv`` as the FP8 loader hands them on
+(layers/quantization/fp8_loading.py).
 """
 
 from __future__ import annotations
@@ -49,18 +54,20 @@ def target(name: str) -> Target | None:
     name = name.removeprefix("model.")
     if "rotary_emb" in name:
         return None
+    if name.endswith(".scale"):  # DeepSeek's name for a quantized weight's scales
+        name = name.removesuffix(".scale") + ".weight_scale_inv"
     name = RENAMES.get(name, name)
     name = re.sub(r"\.hc_(attn|ffn|head)_(fn|base|scale)$", r".hc_\1.\2", name)
-    expert = re.search(r"\.experts\.(\d+)\.(w[123])\.weight$", name)
+    expert = re.search(r"\.experts\.(\d+)\.(w[123])\.weight(_scale_inv)?$", name)
     if expert:
-        proj = PROJ[expert[2]]
-        stacked = "down_proj" if proj == "down" else "gate_up_proj"
+        proj, scale = PROJ[expert[2]], expert[3] or ""
+        stacked = ("down_proj" if proj == "down" else "gate_up_proj") + scale
         half = None if proj == "down" else proj
         return Target(f"{name[: expert.start()]}.experts.{stacked}", int(expert[1]), half)
-    shared = re.search(r"\.shared_experts\.(w[123])\.weight$", name)
+    shared = re.search(r"\.shared_experts\.(w[123])\.weight(_scale_inv)?$", name)
     if shared:
-        proj, prefix = PROJ[shared[1]], name[: shared.start()]
+        proj, prefix, leaf = PROJ[shared[1]], name[: shared.start()], "weight" + (shared[2] or "")
         if proj == "down":
-            return Target(f"{prefix}.shared_experts.down_proj.weight")
-        return Target(f"{prefix}.shared_experts.gate_up_proj.weight", half=proj)
+            return Target(f"{prefix}.shared_experts.down_proj.{leaf}")
+        return Target(f"{prefix}.shared_experts.gate_up_proj.{leaf}", half=proj)
     return Target(name)

@@ -18,9 +18,9 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.layers.quantization.fp8_loading import (
     Fp8Layers,
-    fp8_weight_names,
     fp8_weights,
     quantize_modules,
+    quantized_weights,
 )
 from engine.layers.quantization.int_loading import quantize_as_loaded, quantize_weights
 from engine.models.base import CausalLM
@@ -90,11 +90,10 @@ def load_model(config: EngineConfig, local_experts: list[list[int]] | None = Non
         torch.set_default_dtype(previous)
     path = Path(config.model)
     fp8 = config.hf_config.fp8
-    if fp8 is not None:  # FP8 layers take their checkpoint's format before loading
-        names = quantize_modules(
-            model, fp8_weight_names(path), model.weight_target, model.plain_linears
-        )
-        model.fp8 = Fp8Layers(fp8, frozenset(names))
+    if fp8 is not None:  # FP8 and FP4 layers take their checkpoint's format before loading
+        quantized = quantized_weights(path, fp8)
+        names = quantize_modules(model, quantized, model.weight_target, model.plain_linears, fp8)
+        model.fp8 = Fp8Layers(fp8, frozenset(names), quantized)
     wanted = None
     if local_experts is not None:
         model.place_experts(local_experts)
@@ -121,9 +120,10 @@ def model_weights(
         return weights
 
     def keeps(name: str) -> bool:
-        return model.weight_target(name).rsplit(".", 1)[0] in fp8.names
+        target = model.weight_target(name)
+        return target is not None and target.rsplit(".", 1)[0] in fp8.names
 
-    return fp8_weights(weights, fp8.format, keeps)
+    return fp8_weights(weights, fp8.format, fp8.quantized, keeps)
 
 
 def load_tokenizer(path: Path) -> Tokenizer | None:

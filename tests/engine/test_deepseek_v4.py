@@ -365,7 +365,11 @@ def test_sinkhorn_matrices_are_doubly_stochastic(v4) -> None:
         ("scoring_func", "softmax", "unsupported scoring_func 'softmax'"),
         ("norm_topk_prob", False, "unsupported norm_topk_prob False"),
         ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
-        ("quantization_config", {"quant_method": "fp8"}, "quantization_config is set"),
+        (
+            "quantization_config",
+            {"quant_method": "awq"},
+            "unsupported quantization_config quant_method 'awq'",
+        ),
         ("layer_types", ["full_attention"] * 3, "layer_types must name 3 layers"),
         ("mlp_layer_types", ["dense"] * 3, "mlp_layer_types must name 3 layers"),
     ],

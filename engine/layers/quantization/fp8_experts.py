@@ -24,6 +24,7 @@ class Fp8Experts(Experts):
     def replacing(cls, experts: Experts) -> Fp8Experts:
         slots, rows, hidden = experts.gate_up_proj.shape
         new = cls(experts.num_experts, hidden, rows // 2)
+        new.act = experts.act  # DeepSeek-V4's is clipped
         new.place(experts.slot_experts)
         return new
 

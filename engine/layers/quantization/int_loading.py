@@ -79,7 +79,7 @@ def quantize_as_loaded(
     model: nn.Module,
     method: str,
     dtype: torch.dtype,
-    target: Callable[[str], str],
+    target: Callable[[str], str | None],
     plain: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, passed on; once the consumer has copied a tensor
