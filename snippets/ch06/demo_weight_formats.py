@@ -231,7 +231,7 @@ def check_int_layers(paths: dict[str, Path], prompts: list[list[int]], results: 
         ]
         same = sum(a == b for x, y in zip(*runs) for a, b in zip(x.token_ids, y.token_ids))
         total = len(prompts) * CHECK_TOKENS
-        print(f"{method} layers, greedy: {same} of {total} tokens as its weights'")
+        print(f"{method} layers, greedy: {same} of {total} tokens match its weights")
         results |= {f"check_same_{method}": same, "check_tokens": total}
 
 
