@@ -19,7 +19,10 @@ import os
 import warnings
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "fp8_linear.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "fp8_linear.cpp", "fp4_linear.cpp")
+]
 
 
 def portable() -> bool:

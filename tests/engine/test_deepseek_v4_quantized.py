@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, csrc
 from engine.config.fp8_format import fp8_format
 from engine.layers.quantization import fp4
 from engine.layers.quantization.fp4_experts import Fp4Experts
@@ -135,27 +135,42 @@ def random_packed(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
 
 
-def test_every_byte_dequantizes_to_its_two_e2m1_values() -> None:
+DEQUANTIZERS = {"c++": fp4.fp4_dequantize, "torch": fp4.fp4_dequantize_torch}
+LINEARS = {"c++ gemv": fp4.fp4_linear, "tiles": fp4.fp4_tiled_linear}
+
+
+def needs_csrc(way: str) -> None:
+    """The C++ operators' cases need them built (else the engine keeps to torch)."""
+    if way.startswith("c++") and not csrc.load():
+        pytest.skip("no C++ compiler to build engine/csrc")
+
+
+@pytest.mark.parametrize("way", DEQUANTIZERS)
+def test_every_byte_dequantizes_to_its_two_e2m1_values(way) -> None:
     """All 256 bytes, low nibble first, sign of zero kept, with scales from 2^-127
     to 2^127 (e8m0's whole range) and float32 scales that are not powers of two."""
+    needs_csrc(way)
+    dequantize = DEQUANTIZERS[way]
     packed = torch.arange(256, dtype=torch.uint8)[None].repeat(3, 1)  # 512 columns, 16 groups
     exponents = torch.linspace(-127, 127, 16).round()
     pow2 = torch.exp2(torch.stack([exponents, exponents.flip(0), torch.zeros(16)]))
     for scales in (pow2.to(UE8M0), pow2, pow2 * 1.3):
-        got = fp4.fp4_dequantize(packed, scales, torch.float32)
+        got = dequantize(packed, scales, torch.float32)
         want = fp4_dequantized(packed, scales.float())
         assert torch.equal(got, want)
         assert torch.equal(torch.signbit(got), torch.signbit(want))
-    values = fp4.fp4_dequantize(packed[:1], torch.ones(1, 16), torch.float32)[0]
-    assert values[:32].tolist() == [
-        E2M1[b & 15] if i % 2 == 0 else E2M1[b >> 4] for b in range(16) for i in range(2)
-    ]
+        assert torch.equal(dequantize(packed, scales, torch.bfloat16), want.bfloat16())
+    values = dequantize(packed[:1], torch.ones(1, 16), torch.float32)[0]
+    pairs = [(E2M1[b & 15], E2M1[b >> 4]) for b in range(16)]
+    assert values[:32].tolist() == [v for pair in pairs for v in pair]
 
 
-@pytest.mark.parametrize("cols", [32, 48, 160, 144, 2])
-def test_dequantize_partial_and_zero_groups_match_float64(cols) -> None:
+@pytest.mark.parametrize("way", DEQUANTIZERS)
+@pytest.mark.parametrize("cols", [32, 48, 160, 144, 2, 1056])
+def test_dequantize_partial_and_zero_groups_match_float64(way, cols) -> None:
     """Rows ending in a partial group (48, 144: 16 columns; 2: one byte), a zero
     group, and bfloat16 as DeepSeek's float32 product rounded once."""
+    needs_csrc(way)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     w = torch.randn(5, cols, generator=g) * torch.exp2(torch.randint(-60, 60, (5, 1), generator=g))
     w[1, :GROUP] = 0
@@ -163,25 +178,35 @@ def test_dequantize_partial_and_zero_groups_match_float64(cols) -> None:
     packed = packed.view(torch.uint8)
     want = fp4_dequantized(packed, scales)
     for stored in (scales, scales.to(UE8M0)):
-        assert torch.equal(fp4.fp4_dequantize(packed, stored, torch.float32), want)
-        assert torch.equal(fp4.fp4_dequantize(packed, stored, torch.bfloat16), want.bfloat16())
+        got = DEQUANTIZERS[way](packed, stored, torch.float32)
+        assert torch.equal(got, want)
+        assert torch.equal(DEQUANTIZERS[way](packed, stored, torch.bfloat16), want.bfloat16())
     assert (want[1, : min(cols, GROUP)] == 0).all()
 
 
-@pytest.mark.parametrize("rows,cols", [(300, 160), (7, 96), (1, 2)])
-def test_fp4_linear_matches_float64_across_tiles(monkeypatch, rows, cols) -> None:
-    """x times the dequantized weight, one tile of rows at a time (tiles of 64 rows
-    here, the last partial), within float32 rounding of the float64 product."""
+@pytest.mark.parametrize("way", LINEARS)
+@pytest.mark.parametrize("rows,cols", [(300, 160), (7, 96), (1, 2), (33, 1040)])
+def test_fp4_linear_matches_float64(monkeypatch, way, rows, cols) -> None:
+    """x times the dequantized weight, from the packed bytes (up to 16 tokens) or
+    one tile of rows at a time (tiles of 64 rows here, the last partial), in
+    float32 and bfloat16 activations, within float32 rounding of the float64
+    product of the same values."""
+    needs_csrc(way)
     monkeypatch.setattr(fp4, "TILE_VALUES", 64 * cols)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     packed = random_packed(rows, cols, g)
     scales = torch.exp2(torch.randint(-8, 8, (rows, -(-cols // GROUP)), generator=g).float())
-    for tokens in (1, 5, 40):
-        x = torch.randn(tokens, cols, generator=g)
-        want = x.double() @ fp4_dequantized(packed, scales).double().T
-        got = fp4.fp4_linear(x, packed, scales.to(UE8M0))
-        scale = x.double().abs() @ fp4_dequantized(packed, scales).double().abs().T
-        assert ((got.double() - want).abs() <= 1e-6 * scale + 1e-30).all()
+    w = fp4_dequantized(packed, scales).double()
+    for tokens in (1, 5, 16, 40):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(tokens, cols, generator=g).to(dtype)
+            want = x.double() @ w.T
+            got = LINEARS[way](x, packed, scales.to(UE8M0))
+            assert got.dtype == dtype and got.shape == (tokens, rows)
+            bound = 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
+            if dtype == torch.bfloat16:  # the float32 sum, rounded once to bfloat16
+                bound = bound + want.abs() * 2.0**-8
+            assert ((got.double() - want).abs() <= bound).all(), (tokens, dtype)
 
 
 # Refusals, by the tensor's name or the config's key.

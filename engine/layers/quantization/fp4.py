@@ -11,9 +11,12 @@ columns are not a multiple of 32 ends in a partial group with a scale of its own
 (DeepSeek's own matrices never do; transformers sizes the scales that way).
 
 The product is taken in float32, as the FP8 layers' is (fp8.py); with a power of
-two for a scale it is exact. The engine multiplies by dequantizing one tile of
-rows at a time, with torch's own operations: each byte looks up its two values
-in a 256-entry table, and the tile is scaled and handed to oneDNN's matmul.
+two for a scale it is exact. On a CPU the C++ operators (engine/csrc/fp4_linear.cpp)
+decode 16 bytes at a time in registers: a few tokens (a decode step) are
+multiplied straight from the packed bytes, more by dequantizing one tile of rows
+at a time for oneDNN's matmul. Elsewhere torch's own operations do the same
+(each byte looks up its two values in a 256-entry table).
+benchmarks/fp4_linear.py times them.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine import csrc
 from engine.config.fp8_format import FP4_GROUP
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-TILE_VALUES = 1 << 16  # weights dequantized at once: a float32 tile of 256 KiB
+TILE_VALUES = 1 << 18  # weights a tile: 512 KiB in bfloat16; the best of 2^16..2^19 measured
+GEMV_TOKENS = 16  # up to this many tokens, the C++ operator reads the packed bytes
 
 
 @functools.cache
@@ -39,7 +44,17 @@ def byte_values(device: torch.device) -> torch.Tensor:
 
 def fp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """W = E2M1[code] * scale in float32, then rounded to ``dtype``: packed [rows,
-    cols / 2] uint8, scales [rows, ceil(cols / 32)] float32 or float8_e8m0fnu."""
+    cols / 2] uint8, scales [rows, ceil(cols / 32)] float32 or float8_e8m0fnu. On a
+    CPU through the C++ operator, else fp4_dequantize_torch."""
+    if dtype in (torch.float32, torch.bfloat16) and packed.device.type == "cpu" and csrc.load():
+        return torch.ops.deepinfer.fp4_dequantize(packed, scales, dtype == torch.bfloat16)
+    return fp4_dequantize_torch(packed, scales, dtype)
+
+
+def fp4_dequantize_torch(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """fp4_dequantize in torch's own operations, for any device and dtype."""
     rows, cols = packed.shape[0], 2 * packed.shape[1]
     out = F.embedding(packed.int(), byte_values(packed.device)).view(rows, cols)
     s = scales.float()
@@ -52,8 +67,16 @@ def fp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 
 def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [tokens, cols] times the dequantized weight, transposed, one tile of rows
-    at a time: the full-precision matrix never exists at once."""
+    """x [tokens, cols] times the dequantized weight, transposed: a few tokens
+    through the C++ operator, which reads the packed bytes; more one tile of rows
+    at a time. The full-precision matrix never exists at once."""
+    if x.shape[0] <= GEMV_TOKENS and x.device.type == "cpu" and csrc.load():
+        return torch.ops.deepinfer.fp4_gemv(x, packed, scales)
+    return fp4_tiled_linear(x, packed, scales)
+
+
+def fp4_tiled_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp4_linear by tiles of dequantized rows, whatever the number of tokens."""
     rows, cols = packed.shape[0], 2 * packed.shape[1]
     tile = max(1, TILE_VALUES // cols)
     if tile >= rows:
