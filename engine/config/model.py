@@ -151,9 +151,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(path, raw),
             mla=_mla(raw, dsa is not None) if deepseek else None,
             moe=_moe(raw) if deepseek else None,
-            num_mtp_layers=_mtp_layers(path, raw, "model.layers.{n}.")
-            if deepseek and dsa is None
-            else 0,
+            num_mtp_layers=_mtp_layers(path, raw, "model.layers.{n}.") if deepseek else 0,
             dsa=dsa,
             fp8=fp8_format(raw),
         )
@@ -224,7 +222,7 @@ DSA_DEFAULTS = {"index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}
 def _dsa(raw: dict, arch: str) -> DSAConfig | None:
     """The indexer's settings, for V3.2 alone: on any other architecture a DSA field
     would be ignored and the model run dense, so it is an error instead. V3.2's MTP
-    module is not served (transformers ignores its tensors too)."""
+    module is a V3.2 layer, indexer and all (models/deepseek_v32.py)."""
     if arch != "DeepseekV32ForCausalLM":
         named = sorted(set(DSA_DEFAULTS) & set(raw))
         if named:

@@ -85,12 +85,12 @@ class SpeculativeConfig:
 
     def check_target(self, model: ModelConfig) -> None:
         """Refuse what the target model cannot do: MTP drafts need the checkpoint's
-        own MTP module (DeepSeek-V3's or V4's num_nextn_predict_layers, with its weights).
+        own MTP module (DeepSeek-V3's, V3.2's or V4's num_nextn_predict_layers, with its weights).
         EngineConfig calls this, before any worker starts or any weight loads."""
         if self.method == "mtp" and model.num_mtp_layers == 0:
             raise ValueError(
                 "speculative_config method 'mtp' needs a model with multi-token prediction "
-                f"weights (DeepSeek-V3's or V4's MTP module); this {model.architecture} checkpoint "
+                f"weights (DeepSeek-V3's, V3.2's or V4's MTP module); this {model.architecture} checkpoint "
                 "has none"
             )
 

@@ -164,6 +164,7 @@ class DeepseekV3MTP(DeepseekV3DecoderLayer):
 
 class DeepseekV3Model(nn.Module):
     layer_class: ClassVar[type[DeepseekV3DecoderLayer]] = DeepseekV3DecoderLayer
+    mtp_class: ClassVar[type[DeepseekV3MTP]] = DeepseekV3MTP
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -178,7 +179,9 @@ class DeepseekV3Model(nn.Module):
         n = cfg.num_hidden_layers
         self.layers = nn.ModuleList(self.layer_class(cfg, rope, i) for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mtp = nn.ModuleList(DeepseekV3MTP(cfg, rope, n + k) for k in range(cfg.num_mtp_layers))
+        self.mtp = nn.ModuleList(
+            self.mtp_class(cfg, rope, n + k) for k in range(cfg.num_mtp_layers)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

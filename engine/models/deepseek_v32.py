@@ -6,14 +6,11 @@ and keeps the index_topk best, and MLA attends to those alone
 (engine/layers/mla.py). The indexer's keys are cached beside the latents, in the
 same blocks (engine/kv/sparse_cache.py). The rest is DeepSeek-V3's, unchanged.
 
-V3.2's MTP module (stored as layer num_hidden_layers) is not served: its tensors
-are skipped, as transformers skips them.
+V3.2's MTP module (stored as layer num_hidden_layers) is a V3.2 layer too, with
+its own indexer, and drafts as V3's does (engine/spec_decode/mtp.py).
 """
 
 from __future__ import annotations
-
-import re
-from collections.abc import Iterable
 
 import torch
 
@@ -26,6 +23,7 @@ from engine.models.deepseek_v3 import (
     DeepseekV3DecoderLayer,
     DeepseekV3ForCausalLM,
     DeepseekV3Model,
+    DeepseekV3MTP,
     softmax_scale,
 )
 
@@ -70,22 +68,15 @@ class DeepseekV32DecoderLayer(DeepseekV3DecoderLayer):
     attention_class = DeepseekV32Attention
 
 
+class DeepseekV32MTP(DeepseekV3MTP):
+    attention_class = DeepseekV32Attention
+
+
 class DeepseekV32Model(DeepseekV3Model):
     layer_class = DeepseekV32DecoderLayer
+    mtp_class = DeepseekV32MTP
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     model_class = DeepseekV32Model
     supports_compile = False  # the indexer's chosen positions have no opaque operator yet
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], only_experts: bool = False
-    ) -> None:
-        """V3's loading, without the MTP module's tensors (layers num_hidden_layers and up)."""
-        n = self.config.num_hidden_layers
-
-        def main_layers(name: str) -> bool:
-            layer = re.match(r"model\.layers\.(\d+)\.", name)
-            return layer is None or int(layer[1]) < n
-
-        super().load_weights(((k, t) for k, t in weights if main_layers(k)), only_experts)

@@ -153,10 +153,11 @@ def hf_model_class(arch: str):
     }[arch]
 
 
-def add_mtp_weights(model: torch.nn.Module, path: Path) -> None:
+def add_mtp_weights(model: torch.nn.Module, path: Path, layer_class: type | None = None) -> None:
     """transformers builds no MTP module; write random ones into the checkpoint as
     DeepSeek stores them: layer num_hidden_layers + k, with copies of the embedding and
-    the output head (which the engine shares) beside the module's own tensors."""
+    the output head (which the engine shares) beside the module's own tensors.
+    ``layer_class``: the model's decoder layer (default DeepSeek-V3's)."""
     from safetensors.torch import load_file, save_file
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
@@ -165,7 +166,7 @@ def add_mtp_weights(model: torch.nn.Module, path: Path) -> None:
     g = torch.Generator().manual_seed(5)
     for k in range(cfg.num_nextn_predict_layers):
         n = cfg.num_hidden_layers + k
-        block = DeepseekV3DecoderLayer(cfg, n)
+        block = (layer_class or DeepseekV3DecoderLayer)(cfg, n)
         width = cfg.hidden_size
         module = block.state_dict() | {
             "enorm.weight": torch.ones(width),
