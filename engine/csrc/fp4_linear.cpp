@@ -5,7 +5,8 @@
 // columns: a float32, or a float8_e8m0fnu byte (2^(b - 127)). Each group of 16
 // bytes is decoded into 32 float32 values in registers (a 16-entry table looked
 // up by each nibble), multiplied by the group's scale (exact for a power of two)
-// and used at once: multiplied by every activation row (fp4_gemv, a decode step),
+// and used at once: multiplied by every activation row, four weight rows at a
+// time, so that each activation vector is loaded once for four (fp4_gemv, a decode step),
 // or stored as float32 or bfloat16 (fp4_dequantize, the tiles of a many-token
 // matmul, engine/layers/quantization/fp4.py). A row whose columns are not a
 // multiple of 32 ends in a partial group, decoded a byte at a time.
@@ -28,7 +29,7 @@ using f32x16 = float __attribute__((vector_size(64)));
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 constexpr int64_t kGroup = 32;  // columns that share a scale
-constexpr int64_t kRows = 8;    // activation rows multiplied per pass over a weight row
+constexpr int64_t kRows = 4;    // activation rows multiplied per pass over the weight rows
 constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
@@ -77,42 +78,53 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 
-// R rows of x (float32, K apart) times one packed weight row, written to out (N apart).
-template <int R>
-void row_times(const float* x, int64_t K, const uint8_t* q, const uint8_t* scales, bool e8m0,
-               float* out, int64_t N) {
-  f32x16 acc[R] = {};
-  float tail[R] = {};
+// R rows of x (float32, K apart) times W consecutive packed weight rows (K / 2
+// bytes apart, their scales row_bytes apart), written to out[m * N + w]. Each group
+// of every weight row is decoded once and each activation vector loaded once for
+// all W rows: W * R sums in registers (R and W are template parameters).
+template <int R, int W>
+void rows_times(const float* x, int64_t K, const uint8_t* q, const uint8_t* scales,
+                int64_t row_bytes, bool e8m0, float* out, int64_t N) {
+  f32x16 acc[W][R] = {};
+  float tail[W][R] = {};
   const int64_t full = K / kGroup * kGroup;
   for (int64_t k = 0; k < full; k += kGroup) {
-    f32x16 lo, hi;
-    decode32(q + k / 2, lo, hi);
-    const float s = scale_of(scales, e8m0, k / kGroup);
-    lo *= s;
-    hi *= s;
+    f32x16 lo[W], hi[W];
+    for (int w = 0; w < W; ++w) {
+      decode32(q + w * (K / 2) + k / 2, lo[w], hi[w]);
+      const float s = scale_of(scales + w * row_bytes, e8m0, k / kGroup);
+      lo[w] *= s;
+      hi[w] *= s;
+    }
     for (int m = 0; m < R; ++m) {
-      acc[m] += lo * load16(x + m * K + k) + hi * load16(x + m * K + k + kLanes);
+      const f32x16 xa = load16(x + m * K + k), xb = load16(x + m * K + k + kLanes);
+      for (int w = 0; w < W; ++w) acc[w][m] += lo[w] * xa + hi[w] * xb;
     }
   }
-  if (full < K) {
-    const float s = scale_of(scales, e8m0, full / kGroup);
+  for (int w = 0; full < K && w < W; ++w) {
+    const float s = scale_of(scales + w * row_bytes, e8m0, full / kGroup);
     for (int64_t k = full; k < K; k += 2) {
-      const uint8_t b = q[k / 2];
+      const uint8_t b = q[w * (K / 2) + k / 2];
       const float w0 = kE2M1[b & 15] * s, w1 = kE2M1[b >> 4] * s;
-      for (int m = 0; m < R; ++m) tail[m] += w0 * x[m * K + k] + w1 * x[m * K + k + 1];
+      for (int m = 0; m < R; ++m) tail[w][m] += w0 * x[m * K + k] + w1 * x[m * K + k + 1];
     }
   }
-  for (int m = 0; m < R; ++m) {
-    float total = tail[m];
-    for (int64_t i = 0; i < kLanes; ++i) total += acc[m][i];
-    out[m * N] = total;
+  for (int w = 0; w < W; ++w) {
+    for (int m = 0; m < R; ++m) {
+      float total = tail[w][m];
+      for (int64_t i = 0; i < kLanes; ++i) total += acc[w][m][i];
+      out[m * N + w] = total;
+    }
   }
 }
 
-using RowTimes = void (*)(const float*, int64_t, const uint8_t*, const uint8_t*, bool, float*,
-                          int64_t);
-constexpr RowTimes kRowTimes[kRows] = {row_times<1>, row_times<2>, row_times<3>, row_times<4>,
-                                       row_times<5>, row_times<6>, row_times<7>, row_times<8>};
+constexpr int kWeightRows = 4;  // weight rows a pass: 16 sums, 8 weight and 2 input vectors
+using RowsTimes = void (*)(const float*, int64_t, const uint8_t*, const uint8_t*, int64_t, bool,
+                           float*, int64_t);
+constexpr RowsTimes kBlockTimes[kRows] = {rows_times<1, 4>, rows_times<2, 4>, rows_times<3, 4>,
+                                          rows_times<4, 4>};
+constexpr RowsTimes kRowTimes[kRows] = {rows_times<1, 1>, rows_times<2, 1>, rows_times<3, 1>,
+                                        rows_times<4, 1>};
 
 void check(const at::Tensor& q, const at::Tensor& scales, const char* op) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && scales.dim() == 2, op,
@@ -138,12 +150,15 @@ at::Tensor fp4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   const uint8_t* sp = reinterpret_cast<const uint8_t*>(sc.data_ptr());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t n = begin; n < end;) {
+      const bool block = n + kWeightRows <= end;
       for (int64_t m = 0; m < M; m += kRows) {
         const int64_t rows = std::min(kRows, M - m);
-        kRowTimes[rows - 1](xp + m * K, K, qp + n * (K / 2), sp + n * row_bytes, e8m0,
-                            op + m * N + n, N);
+        (block ? kBlockTimes : kRowTimes)[rows - 1](xp + m * K, K, qp + n * (K / 2),
+                                                    sp + n * row_bytes, row_bytes, e8m0,
+                                                    op + m * N + n, N);
       }
+      n += block ? kWeightRows : 1;
     }
   });
   return out.to(x.scalar_type());

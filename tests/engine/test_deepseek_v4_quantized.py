@@ -128,6 +128,25 @@ def test_expert_parallel_reads_each_ranks_fp4_experts(quantized) -> None:
         llm.shutdown()
 
 
+def test_fp8_experts_without_expert_dtype(tmp_path) -> None:
+    """V4's other layout: routed experts in FP8 blocks like the dense layers, no
+    expert_dtype. They become Fp8Experts, with V4's clipped SwiGLU."""
+    import transformers
+
+    from engine.layers.quantization.fp8_experts import Fp8Experts
+
+    build(tmp_path / "v4", "hash-only", **WIDE)
+    quantize_v4_checkpoint(tmp_path / "v4", tmp_path / "reference", experts="fp8")
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        tmp_path / "reference", dtype=torch.float32
+    )
+    tokens, llm = generate(tmp_path / "v4", block_size=8)
+    assert tokens == [hf_greedy(hf.eval(), p, MAX_TOKENS) for p in PROMPTS]
+    experts = llm.llm_engine.executor.model_runner.model.layers[0].ffn.experts
+    assert isinstance(experts, Fp8Experts) and experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert experts.act.limit == 10.0
+
+
 # The FP4 arithmetic against float64, on fresh random inputs every run.
 
 

@@ -96,16 +96,17 @@ def native_name(name: str) -> str:
     return name.replace("hc_head.hc_", "hc_head_")
 
 
-def quantize_v4_checkpoint(path: Path, reference: Path) -> None:
+def quantize_v4_checkpoint(path: Path, reference: Path, experts: str = "fp4") -> None:
     """Quantize the transformers-saved V4 checkpoint in ``path`` in place, in
-    DeepSeek's layout; its dequantized copy (transformers' names, float32) goes to
-    ``reference``."""
+    DeepSeek's layout, the routed experts in ``experts`` ("fp4", or "fp8" as the
+    dense layers, V4's expert_dtype left out); its dequantized copy (transformers'
+    names, float32) goes to ``reference``."""
     tensors = load_file(path / "model.safetensors")
     stored, plain = {}, {}
-    zeroed = {"fp8": False, "fp4": False}
+    zeroed = {"fp8": False, "fp4": experts != "fp4"}
     for name, w in tensors.items():
         key = native_name(name)
-        if FP4_WEIGHTS.search(name):
+        if FP4_WEIGHTS.search(name) and experts == "fp4":
             if not zeroed["fp4"]:
                 w = w.clone()
                 w[0, :GROUP] = 0  # a zero group: its scale is 1, its codes +0
@@ -116,7 +117,7 @@ def quantize_v4_checkpoint(path: Path, reference: Path) -> None:
                 s.to(torch.float8_e8m0fnu),
             )
             plain[name] = fp4_dequantized(q, s)
-        elif FP8_WEIGHTS.search(name):
+        elif FP8_WEIGHTS.search(name) or FP4_WEIGHTS.search(name):
             if not zeroed["fp8"] and min(w.shape) >= 128:
                 w = w.clone()
                 w[:128, :128] = 0  # a zero block
@@ -137,5 +138,7 @@ def quantize_v4_checkpoint(path: Path, reference: Path) -> None:
     save_file(plain, reference / "model.safetensors", metadata={"format": "pt"})
     save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config |= {"quantization_config": QUANTIZATION, "expert_dtype": "fp4"}
+    config["quantization_config"] = QUANTIZATION
+    if experts == "fp4":
+        config["expert_dtype"] = "fp4"
     (path / "config.json").write_text(json.dumps(config))
