@@ -128,6 +128,24 @@ def test_expert_parallel_reads_each_ranks_fp4_experts(quantized) -> None:
         llm.shutdown()
 
 
+def test_bfloat16_serves_the_quantized_checkpoint(quantized) -> None:
+    """In bfloat16 the dequantized weights are exact (a 2- or 4-bit significand times
+    a power of two), so transformers in bfloat16 on them is the oracle, as for the
+    plain checkpoint (test_deepseek_v4.py): the same greedy tokens under chunked
+    prefill."""
+    import transformers
+
+    path, _ = quantized
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        path.parent / "reference", dtype=torch.bfloat16
+    ).eval()
+    prompts = PROMPTS[2:]
+    llm = LLM(path, dtype="bfloat16", block_size=8, max_num_batched_tokens=13)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
 def test_fp8_experts_without_expert_dtype(tmp_path) -> None:
     """V4's other layout: routed experts in FP8 blocks like the dense layers, no
     expert_dtype. They become Fp8Experts, with V4's clipped SwiGLU."""
