@@ -29,6 +29,10 @@ class CausalLM(nn.Module):
     # Linear layers the model reads by their weight rather than by calling them
     # (MLA's kv_b_proj): an FP8 checkpoint's copy is dequantized at load.
     plain_linears: ClassVar[tuple[str, ...]] = ()
+    # Linear layers weight-only int8 and int4 leave as they are, besides the output
+    # head named lm_head and the plain ones: DeepSeek-V4's head, and its wo_a, which
+    # it reads by weight a group of rows at a time (an FP8 wo_a has a path of its own).
+    unquantized_linears: ClassVar[tuple[str, ...]] = ()
     fp8: Fp8Layers | None = None  # its FP8 layers and their format, set at load
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

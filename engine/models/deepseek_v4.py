@@ -104,6 +104,7 @@ class DeepseekV4MTP(DeepseekV4DecoderLayer):
 class DeepseekV4ForCausalLM(CausalLM):
     supports_cuda_graphs = False  # experts sized on the host, attention per sequence
     reads_block_holes = True  # holes where its window gave blocks back, and row blocks
+    unquantized_linears = ("head", "wo_a")  # by int8 and int4 (base.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

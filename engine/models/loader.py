@@ -99,7 +99,8 @@ def load_model(config: EngineConfig, local_experts: list[list[int]] | None = Non
         model.place_experts(local_experts)
         wanted = model.wants_weight
     weights = model_weights(path, model, wanted)
-    method, dtype, plain = config.quantization, config.dtype, model.plain_linears
+    method, dtype = config.quantization, config.dtype
+    plain = model.plain_linears + model.unquantized_linears
     if method is not None:  # each layer quantized once loaded, its weight freed
         weights = quantize_as_loaded(weights, model, method, dtype, model.weight_target, plain)
     with torch.no_grad():

@@ -165,6 +165,34 @@ def test_fp8_experts_without_expert_dtype(tmp_path) -> None:
     assert experts.act.limit == 10.0
 
 
+def test_int8_weights_on_deepseek_v4(tmp_path) -> None:
+    """Weight-only int8 (--quantization int8) on a plain V4 checkpoint: every linear
+    layer and the routed experts quantized at load but the head and wo_a (read by
+    weight a group at a time); greedy tokens equal transformers' on the same
+    weights quantized and dequantized. (wo_a quantized made project() fail.)"""
+    import transformers
+
+    from engine.layers.quantization.int_linear import IntExperts
+    from tests.engine.test_weight_quant import dequantize as int_dequantize
+    from tests.engine.test_weight_quant import quantize as int_quantize
+
+    build(tmp_path / "v4", "three-types")
+    tensors = load_file(tmp_path / "v4" / "model.safetensors")
+    kept = ("head.weight", "embed_tokens.weight", ".wo_a.weight", ".gate.weight")
+    for name, w in tensors.items():
+        if name.endswith(".weight") and w.dim() == 2 and not name.endswith(kept):
+            tensors[name] = int_dequantize("int8", *int_quantize("int8", w))
+    reference = edited(tmp_path / "v4", tmp_path / "reference", lambda t: t.update(tensors))
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    tokens, llm = generate(tmp_path / "v4", quantization="int8", block_size=8)
+    assert tokens == [hf_greedy(hf.eval(), p, MAX_TOKENS) for p in PROMPTS]
+    model = llm.llm_engine.executor.model_runner.model
+    assert type(model.layers[0].attn.wo_a) is torch.nn.Linear
+    assert type(model.head) is torch.nn.Linear
+    assert type(model.layers[0].attn.wq_a) is not torch.nn.Linear
+    assert all(isinstance(e, IntExperts) for e in model.experts())
+
+
 # The FP4 arithmetic against float64, on fresh random inputs every run.
 
 
