@@ -78,7 +78,7 @@ def main() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         sparse, kept = run(build(Path(tmp), TOPK))
         dense, _ = run(build(Path(tmp), 4 * len(PROMPT)))
-    print(f"prompt of {len(PROMPT)} tokens; each query keeps {TOPK}")
+    print(f"prompt of {len(PROMPT)} tokens, a reply of {REPLY}; each query keeps {TOPK}")
     print(f"{'query at':>8}  positions kept by layer {LAYER}, from zero")
     for step, positions in enumerate(kept[:STEPS]):
         print(f"{len(PROMPT) + step:>8}  {' '.join(map(str, positions))}")
@@ -89,6 +89,7 @@ def main() -> dict:
     print(f"reply tokens before sparse and dense part: {first}")
     return {
         "prompt_len": len(PROMPT),
+        "reply": REPLY,
         "topk": TOPK,
         "first_kept": kept[0],
         "recent_mean": round(sum(recent) / len(recent), 2),

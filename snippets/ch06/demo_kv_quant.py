@@ -6,7 +6,7 @@ that carry a float32 scale per token and KV head (per 128 latent numbers for
 MLA). For each cache the demo prints its bytes per token, read from the engine's
 own pool (every layer's block bytes over the block size), and how many of the
 generated tokens equal the exact cache's, position by position, with the first
-position where each request's reply changes.
+position (from 0) where each request's reply changes, or "-" where none does.
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ def run(model: str, fmt: str) -> tuple[list[list[int]], int]:
 
 
 def first_change(a: list[int], b: list[int]) -> int:
+    """The first position (from 0) where the replies differ; len(a) if none does."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+
+def shown(change: int) -> str:
+    return "-" if change == REPLY else str(change)
 
 
 def main() -> dict:
@@ -56,7 +61,7 @@ def main() -> dict:
             changes = [first_change(a, b) for a, b in zip(replies, exact)]
             ratio = per_token / exact_bytes
             print(f"{name:>8} {fmt:>8} {per_token:>9} {ratio:>6.3f} {share:>6.1%}  "
-                  f"{' '.join(map(str, changes))}")  # fmt: skip
+                  f"{' '.join(map(shown, changes))}")  # fmt: skip
             key = f"{name.replace('-', '_')}_{fmt}"
             results |= {
                 f"bytes_{key}": per_token,
