@@ -148,7 +148,7 @@ def engine(path: Path, dtype: str, quantization: str | None = None) -> LLM:
 
 
 def show_bytes(paths: dict[str, Path], results: dict) -> None:
-    print("bytes one decode step reads at batch 1, weights only")
+    print("bytes a lone request's decode step reads: weights")
     print(f"{'format':<7}{'per weight':>11}{'linears':>10}{'the rest':>10}{'a step':>10}")
     for label, path, method in (
         ("bf16", paths["bf16"], None),
