@@ -191,6 +191,14 @@ def row_slots(row_table: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor) 
     return row_table.long()[rows // per_block] * per_block + rows % per_block
 
 
+def batch_slots(tables: torch.Tensor, index: torch.Tensor, per_block: int) -> torch.Tensor:
+    """Slots of ``index`` [seqs, n] (positions or rows), each row of them through its
+    own row of ``tables`` [seqs, blocks]: compressed_cache.slots and row_slots for a
+    batch. A padded entry (a block of -1) maps to block 0, for a masked read."""
+    blocks = tables.gather(1, index // per_block).clamp(min=0)
+    return blocks * per_block + index % per_block
+
+
 def write(cache: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
     """values [n, width] into slots ``where`` [n] (block * entries + entry) of a
     [blocks, entries, width] view."""

@@ -30,3 +30,12 @@ def seq_spans(meta: AttentionMetadata) -> list[SeqSpan]:
         SeqSpan(i, slice(starts[i], starts[i] + n), context - n, context)
         for i, (n, context) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu))
     ]
+
+
+def one_token_spans(spans: list[SeqSpan]) -> tuple[list[SeqSpan], list[SeqSpan]]:
+    """The step's sequences with one new token (decodes), if there are two or
+    more of them to batch, and the others."""
+    decodes = [s for s in spans if s.end - s.start == 1]
+    if len(decodes) < 2:
+        return [], spans
+    return decodes, [s for s in spans if s.end - s.start != 1]

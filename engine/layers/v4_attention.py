@@ -13,7 +13,9 @@ with a learned per-head sink: one more logit in the softmax with no value, so a
 head may attend to nothing. The output's rope slice is turned back at t, and a
 grouped low-rank projection (wo_a per group of heads, then wo_b) maps it out.
 
-This first version attends one sequence at a time, in torch, on every backend.
+In torch, on every backend: a step's one-token queries (decodes) all at once,
+over contexts padded to the longest and masked (attend_decodes); a prompt chunk
+or a verify step one sequence at a time (attend).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine.config.model import ModelConfig
 from engine.kv.compressed_cache import (
     CompressedAttentionSpec,
     CompressedKV,
+    batch_slots,
     read,
     row_slots,
     slots,
@@ -36,7 +39,7 @@ from engine.kv.compressed_cache import (
 from engine.layers.compressor import Compressor
 from engine.layers.partial_rope import PartialRope
 from engine.layers.quantization.fp8 import Fp8Linear, fp8_linear
-from engine.layers.seq_spans import SeqSpan, seq_spans
+from engine.layers.seq_spans import SeqSpan, one_token_spans, seq_spans
 from engine.layers.v4_indexer import V4Indexer, visible_rows
 from engine.layers.v4_norm import Float32RMSNorm, unweighted_rms_norm
 
@@ -53,6 +56,21 @@ def sink_attention(
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = combined.softmax(dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
     return torch.matmul(probs, keys).transpose(0, 1)
+
+
+def decode_sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """sink_attention for one query per sequence: q [seqs, heads, dim] over each
+    sequence's keys = values [seqs, context, dim] where ``mask`` [seqs, context]
+    allows -> [seqs, heads, dim]."""
+    logits = torch.matmul(q, keys.transpose(1, 2)) * scale  # [seqs, heads, context]
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    sink = sinks.view(1, -1, 1).expand(len(q), -1, 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = combined.softmax(dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys)
 
 
 def window_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -133,10 +151,43 @@ class V4Attention(nn.Module):
         if self.indexer is not None:
             chosen = self.indexer(x, q_latent, positions, meta, spans, cache)
         out = torch.empty_like(q)
-        for span in spans:
+        decodes, others = one_token_spans(spans)
+        if decodes:  # every one-token query at once, padded to the longest context
+            rows = torch.tensor([s.rows.start for s in decodes], device=q.device)
+            picks = None if chosen is None else chosen[rows]
+            out[rows] = self.attend_decodes(q[rows], decodes, meta, picks)
+        for span in others:
             picks = None if chosen is None else chosen[span.rows]
             out[span.rows] = self.attend(q[span.rows], span, meta, picks)
         return self.project(self.rope(out, positions, inverse=True))
+
+    def attend_decodes(
+        self, q: torch.Tensor, spans: list[SeqSpan], meta: AttentionMetadata, chosen
+    ) -> torch.Tensor:
+        """Sequences with one new token each, batched: q [seqs, heads, dim] over each
+        one's last ``window`` raw rows and its compressed rows, padded to the
+        longest and masked; the same keys and masks as attend() gives one of them."""
+        cache, device = self.kv_cache, q.device
+        assert cache is not None
+        ends = torch.tensor([s.end for s in spans], device=device)
+        tables = meta.block_tables[[s.seq for s in spans]].long()
+        width = min(self.window, max(s.end for s in spans))
+        kv_pos = ends[:, None] - width + torch.arange(width, device=device)  # [seqs, width]
+        mask = kv_pos >= 0
+        keys = read(cache.kv, batch_slots(tables, kv_pos.clamp(min=0), cache.kv.shape[1]))
+        most = max(s.end for s in spans) // self.rate if self.compressor is not None else 0
+        if most > 0:
+            assert cache.rows is not None
+            rows = torch.arange(most, device=device).expand(len(spans), most)
+            row_tables = meta.row_tables[[s.seq for s in spans]].long()
+            keys = torch.cat(
+                [keys, read(cache.rows, batch_slots(row_tables, rows, cache.rows.shape[1]))], 1
+            )
+            seen = rows < (ends // self.rate)[:, None]  # the rows closed by each query
+            mask = torch.cat(
+                [mask, seen if chosen is None else seen & chosen_mask(chosen, most)], 1
+            )
+        return decode_sink_attention(q, keys, mask, self.attn_sink, self.dim**-0.5)
 
     def attend(
         self, q: torch.Tensor, span: SeqSpan, meta: AttentionMetadata, chosen: torch.Tensor | None

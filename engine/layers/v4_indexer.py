@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.compressed_cache import CompressedKV, read, row_slots
+from engine.kv.compressed_cache import CompressedKV, batch_slots, read, row_slots
 from engine.layers.compressor import Compressor
-from engine.layers.indexer import best_first, index_scores
+from engine.layers.indexer import SCORE_TILE, best_first, index_scores, pairwise_sum
 from engine.layers.partial_rope import PartialRope
-from engine.layers.seq_spans import SeqSpan
+from engine.layers.seq_spans import SeqSpan, one_token_spans
 
 
 def visible_rows(q_pos: torch.Tensor, num_rows: int, rate: int) -> torch.Tensor:
@@ -87,6 +87,10 @@ class V4Indexer(nn.Module):
         w = self.weights_proj(x).float() * self.heads**-0.5
         out = torch.full((len(x), self.topk), -1, dtype=torch.int64, device=x.device)
         m = self.rate
+        decodes, spans = one_token_spans(spans)
+        if decodes:  # every one-token query at once
+            rows = torch.tensor([s.rows.start for s in decodes], device=x.device)
+            out[rows] = self.decode_rows(q[rows], w[rows], decodes, meta, cache.index_keys)
         for span in spans:
             num_rows = span.end // m
             rows = torch.arange(num_rows, device=x.device)
@@ -97,3 +101,28 @@ class V4Indexer(nn.Module):
             visible = visible_rows(span.positions(x.device), num_rows, m)
             out[span.rows] = top_rows(scores, visible, self.topk)
         return out
+
+    def decode_rows(
+        self,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        spans: list[SeqSpan],
+        meta: AttentionMetadata,
+        index_keys: torch.Tensor,
+    ) -> torch.Tensor:
+        """The rows each of several one-token queries keeps [seqs, index_topk]: the
+        scores index_scores gives each alone (the same products, summed in the same
+        order), over every sequence's rows padded to the most."""
+        ends = torch.tensor([s.end for s in spans], device=q.device)
+        most = max(s.end for s in spans) // self.rate
+        rows = torch.arange(most, device=q.device).expand(len(spans), most)
+        tables = meta.row_tables[[s.seq for s in spans]].long()
+        keys = read(index_keys, batch_slots(tables, rows, index_keys.shape[1])).float()
+        q, w = q.float(), w.float()
+        scores = q.new_empty((len(spans), most))
+        step = max(1, SCORE_TILE // max(1, self.heads * self.dim * most))
+        for i in range(0, len(spans), step):  # at most SCORE_TILE products at once
+            dots = pairwise_sum(q[i : i + step, :, None] * keys[i : i + step, None], -1)
+            scored = w[i : i + step, :, None] * torch.relu(dots * self.dim**-0.5)
+            scores[i : i + step] = pairwise_sum(scored, 1)
+        return top_rows(scores, rows < (ends // self.rate)[:, None], self.topk)
