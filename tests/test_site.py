@@ -371,10 +371,13 @@ def test_code_and_the_experiments_fit_a_phone(open_page, site) -> None:
     Appendix B's tables and the book's figures fit the screen."""
     page = open_page(PHONE)
     problems = []
+    for url in nav_pages(page, site):  # every page's excerpts and listings
+        load(page, url)
+        for block in page.evaluate(CODE_FIT):
+            if block["scrolls"]:
+                where = url.removeprefix(site.url) or "/"
+                problems.append(f"{where}: {block['title']} scrolls sideways on a phone")
     load(page, site.url + READ_FIRST["ch01"])
-    for block in page.evaluate(CODE_FIT):
-        if block["scrolls"]:
-            problems.append(f"ch01: {block['title']} scrolls sideways on a phone")
     lines = page.evaluate(HANGING)
     assert len(lines) > 20, "expected Chapter 1's indented code lines"
     for line in lines:

@@ -279,3 +279,17 @@ def test_each_indented_code_line_is_marked_with_its_indentation(line: str, lead)
     marked = book.mark_indents(html)
     style = f' style="--lead:{lead}ch"' if lead else ""
     assert marked == html.replace('<span id="__span-0-1">', f'<span id="__span-0-1"{style}>')
+
+
+def test_a_code_line_may_break_after_punctuation_and_operators_only() -> None:
+    book = load_script(ROOT / "docs" / "hooks" / "book.py", "book_hooks")
+    line = (
+        '<span class="n">seq</span><span class="o">.</span><span class="n">output_ids</span>'
+        '<span class="p">(</span><span class="mi">1</span><span class="p">)</span>'
+    )
+    html = f'<code><span id="__span-0-1">{line}\n</span></code>'
+    marked = book.mark_indents(html)
+    assert marked.count("<wbr>") == 3 and "seq</span><wbr>" not in marked
+    assert '<span class="o">.</span><wbr><span class="n">output_ids' in marked
+    assert book.mark_indents(marked) == marked  # marking twice adds nothing
+    assert re.sub(r"<[^>]+>", "", marked) == re.sub(r"<[^>]+>", "", html)  # the same text

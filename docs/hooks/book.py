@@ -151,19 +151,24 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 CODE_LINE = re.compile(r'<span id="__span-[\d-]+">(?P<body>.*?)(?=\n|<span id="__span-)', re.S)
 TAGS = re.compile(r"<[^>]+>")
+# A punctuation or operator token: a line that must wrap on a phone breaks after
+# one (a <wbr>) rather than inside a name.
+BREAK_AFTER = re.compile(r'(<span class="[op]">[^<]*</span>)(?!<wbr>)')
 
 
 def mark_indents(html: str) -> str:
     """Give each code line that starts with spaces its indentation as ``--lead``,
     so that on a phone a line that wraps goes on under its own start, not the
-    block's edge (book.css: the hanging indent)."""
+    block's edge (book.css: the hanging indent); and let it break after its
+    punctuation and operators rather than inside a name."""
 
     def mark(m: re.Match) -> str:
+        line = BREAK_AFTER.sub(r"\1<wbr>", m[0])
         text = TAGS.sub("", m["body"])
         lead = len(text) - len(text.lstrip(" "))
         if lead == 0 or lead == len(text):
-            return m[0]
-        return m[0].replace('">', f'" style="--lead:{lead}ch">', 1)
+            return line
+        return line.replace('">', f'" style="--lead:{lead}ch">', 1)
 
     return CODE_LINE.sub(mark, html)
 
