@@ -365,6 +365,13 @@ HANGING = """() => {
 }"""
 
 
+# Operators of two or more characters that a wrapped code line split (-> read
+# as a minus and a comparison).
+SPLIT_TOKENS = """() => [...document.querySelectorAll('.highlight code .o')]
+  .filter(o => o.textContent.length > 1 && o.getClientRects().length > 1)
+  .map(o => o.textContent)"""
+
+
 def test_code_and_the_experiments_fit_a_phone(open_page, site) -> None:
     """On a phone an excerpt's lines wrap instead of scrolling sideways, each
     wrapped line going on right of its own indentation; the experiments table,
@@ -373,10 +380,12 @@ def test_code_and_the_experiments_fit_a_phone(open_page, site) -> None:
     problems = []
     for url in nav_pages(page, site):  # every page's excerpts and listings
         load(page, url)
+        where = url.removeprefix(site.url) or "/"
         for block in page.evaluate(CODE_FIT):
             if block["scrolls"]:
-                where = url.removeprefix(site.url) or "/"
                 problems.append(f"{where}: {block['title']} scrolls sideways on a phone")
+        for token in page.evaluate(SPLIT_TOKENS):
+            problems.append(f"{where}: the operator {token!r} is split across two lines")
     load(page, site.url + READ_FIRST["ch01"])
     lines = page.evaluate(HANGING)
     assert len(lines) > 20, "expected Chapter 1's indented code lines"
