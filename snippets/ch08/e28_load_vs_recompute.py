@@ -178,7 +178,8 @@ def model_lines(m: dict) -> dict:
     print(f"{m['name']}: {m['kv']:,} KV bytes a token")
     print(f"  weights a token multiplies: {m['weights'] / GB:.2f} billion")
     print(f"  recompute: {per_token / US:.1f} us a token, plus attention,")
-    print(f"  which equals the weights' share at {equal_at:,.0f} tokens")
+    print("  whose total over a whole prefix equals the")
+    print(f"  weights' total at a prefix of {equal_at:,.0f} tokens")
     print(f"  loading pays per token above {pays_above / GB:.2f} GB/s")
     return {"us_per_token": per_token / US, "pays_above": pays_above / GB, "equal_at": equal_at}
 
