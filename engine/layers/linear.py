@@ -11,6 +11,8 @@ original, so memory does not double.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,24 +53,41 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(x.shape[0], out_features)
 
 
+def gemv_reads_faster() -> bool:
+    """Whether torch.mv (W x) reads a row-major bfloat16 weight faster than
+    F.linear (x Wᵀ) on this CPU, as measured with python -m
+    engine.tools.cpu_linear_bench at Qwen3's 151,936 x 1,024 head, 2 threads: on
+    the Intel Xeon with AMX where torch.mv was first chosen (commit 124c11f),
+    11.89 against 15.42 ms; on an AMD EPYC Zen 4 (AVX-512, no AMX), idle, 31.57
+    against 20.78 ms. The AMX flag stands for the first kind; a CPU not
+    measured takes F.linear, PyTorch's own choice."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags
+
+
 class SharedWeightLinear(nn.Module):
     """nn.Linear for a weight that must stay as it is, because another layer
-    shares it (a tied LM head reads the embedding's table). A single row goes
-    through torch.mv, W x: in bfloat16 on the CPU oneDNN reads a row-major weight
-    faster in that order than in x Wᵀ, the order F.linear asks for. More rows go
-    through F.linear: W xᵀ would come out transposed, and making it contiguous
-    costs more than it saves. (python -m engine.tools.cpu_linear_bench times
-    both at a real vocabulary's size.)"""
+    shares it (a tied LM head reads the embedding's table). Where it reads
+    faster (gemv_reads_faster), a single row goes through torch.mv, W x, the
+    order in which oneDNN reads a row-major weight faster on those CPUs. More
+    rows go through F.linear: W xᵀ would come out transposed, and making it
+    contiguous costs more than it saves."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, gemv: bool | None = None) -> None:
+        """``gemv``: take one row through torch.mv (default: gemv_reads_faster())."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same parameter: still shared
         self.bias = linear.bias
+        self.gemv = gemv_reads_faster() if gemv is None else gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling() or flat.shape[0] != 1:  # a traced size may be any
+        one_row = flat.shape[0] == 1 and not torch.compiler.is_compiling()  # traced: any size
+        if not (one_row and self.gemv):
             y = F.linear(flat, self.weight, self.bias)
         else:
             y = torch.mv(self.weight, flat[0]).unsqueeze(0)

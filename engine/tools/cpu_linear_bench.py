@@ -1,6 +1,7 @@
 """A tied output head on the CPU: F.linear (x Wᵀ) against SharedWeightLinear
-(engine/layers/linear.py), which takes a single row through torch.mv (W x) and
-more rows through F.linear.
+(engine/layers/linear.py) with torch.mv (W x) for a single row, more rows
+through F.linear. It also prints which of the two the engine takes for one
+row on this CPU (gemv_reads_faster).
 
     python -m engine.tools.cpu_linear_bench [--vocab 151936] [--hidden 1024] [--threads N]
 
@@ -19,7 +20,7 @@ import argparse
 import torch
 from torch import nn
 
-from engine.layers.linear import SharedWeightLinear
+from engine.layers.linear import SharedWeightLinear, gemv_reads_faster
 from engine.tools.sampler_bench import best_ms
 
 BATCHES = (1, 8, 64, 256)
@@ -41,11 +42,12 @@ def run(vocab: int, hidden: int, repeats: int, batches: tuple[int, ...] = BATCHE
     head = nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         head.weight.copy_(torch.randn(vocab, hidden, generator=gen) / hidden**0.5)
-    ours = SharedWeightLinear(head)
+    ours = SharedWeightLinear(head, gemv=True)
     weight_gb = vocab * hidden * 2 / 1e9
     lines = [
         f"tied output head: vocabulary {vocab}, hidden {hidden}, bfloat16, "
         f"{torch.get_num_threads()} threads, best of {repeats}",
+        f"the engine takes {'torch.mv' if gemv_reads_faster() else 'F.linear'} for one row here",
         "",
         f"{'batch':>6}{'F.linear ms':>13}{'ours ms':>9}{'ratio':>8}{'ours GB/s':>11}  check",
     ]
