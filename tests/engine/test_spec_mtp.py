@@ -154,28 +154,43 @@ def test_each_kept_draft_is_the_module_s_over_the_whole_sequence(k: int, block_s
         block_size=block_size,
         speculative_config=mtp(k),
     )
+    kept = kept_drafts(llm, prose(5, 200, seed=8), max_tokens=24)
+    s = llm.stats
+    assert s.preemptions > 0 and s.partial_prefills > 0 and s.prefix_cache_hit_tokens > 0
+    assert 0 < s.spec_decode.num_accepted_tokens < s.spec_decode.num_draft_tokens
+    checked = checked_from_scratch(TINY_MOE, kept, k)
+    assert len(kept) >= 40 and checked > 0.9 * len(kept)
+
+
+def kept_drafts(llm: LLM, prompts: list, max_tokens: int) -> dict[tuple[int, ...], list[int]]:
+    """Run ``prompts`` greedily step by step; by each request's tokens at the
+    time, the drafts the engine kept after them."""
     engine = llm.llm_engine
-    for i, prompt in enumerate(prose(5, 200, seed=8)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=24))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
     kept: dict[tuple[int, ...], list[int]] = {}
     while engine.has_unfinished_requests():
         engine.step()
         for seq in engine.scheduler.running:
             if seq.spec_token_ids and seq.spec_at == seq.num_tokens:
                 kept[tuple(seq.token_ids)] = seq.spec_token_ids
-    s = llm.stats
-    assert s.preemptions > 0 and s.partial_prefills > 0 and s.prefix_cache_hit_tokens > 0
-    assert 0 < s.spec_decode.num_accepted_tokens < s.spec_decode.num_draft_tokens
+    return kept
+
+
+def checked_from_scratch(model: Path, kept: dict[tuple[int, ...], list[int]], k: int) -> int:
+    """Each kept draft against ``model``'s module run from scratch over its whole
+    sequence; how many were checked (a near-tie, which rounding may break either
+    way, is left out)."""
     reference = LLM(
-        TINY_MOE, dtype="float32", block_size=16, num_kv_blocks=16, speculative_config=mtp(k)
+        model, dtype="float32", block_size=16, num_kv_blocks=16, speculative_config=mtp(k)
     )
     checked = 0
     for tokens, drafts in kept.items():
         expected, gap = drafts_from_scratch(reference, list(tokens), k)
-        if gap > 1e-3:  # else rounding may break the tie either way
+        if gap > 1e-3:
             assert drafts == expected, f"after {len(tokens)} tokens"
             checked += 1
-    assert len(kept) >= 40 and checked > 0.9 * len(kept)
+    return checked
 
 
 # ---------------------------------------------------------------- seeded requests

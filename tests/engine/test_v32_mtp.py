@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from tests.engine.conftest import add_mtp_weights, build_tokenizer, random_prompts
 from tests.engine.test_dsa import dsa_config
-from tests.engine.test_spec_mtp import drafts_from_scratch, mtp
+from tests.engine.test_spec_mtp import checked_from_scratch, kept_drafts, mtp
 
 PROMPTS = random_prompts(4, seed=31, low=5, high=60)
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -57,23 +57,7 @@ def test_each_kept_v32_draft_is_the_module_s_over_the_whole_sequence(v32_mtp) ->
         block_size=4,
         speculative_config=mtp(2),
     )
-    engine = llm.llm_engine
-    for i, prompt in enumerate(random_prompts(5, seed=32, low=30, high=60)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=16))
-    kept: dict[tuple[int, ...], list[int]] = {}
-    while engine.has_unfinished_requests():
-        engine.step()
-        for seq in engine.scheduler.running:
-            if seq.spec_token_ids and seq.spec_at == seq.num_tokens:
-                kept[tuple(seq.token_ids)] = seq.spec_token_ids
+    kept = kept_drafts(llm, random_prompts(5, seed=32, low=30, high=60), max_tokens=16)
     assert llm.stats.preemptions > 0 and llm.stats.partial_prefills > 0
-    reference = LLM(
-        v32_mtp, dtype="float32", block_size=16, num_kv_blocks=16, speculative_config=mtp(2)
-    )
-    checked = 0
-    for tokens, drafts in kept.items():
-        expected, gap = drafts_from_scratch(reference, list(tokens), 2)
-        if gap > 1e-3:  # else rounding may break the tie either way
-            assert drafts == expected, f"after {len(tokens)} tokens"
-            checked += 1
+    checked = checked_from_scratch(v32_mtp, kept, 2)
     assert len(kept) >= 20 and checked > 0.9 * len(kept)
