@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from engine.kv.grouped_blocks import GroupedBlockManager
 from engine.kv.hashing import chain_hash
-from engine.sampling_params import SamplingParams
 from engine.scheduler_output import HOLE
 from engine.sequence import Sequence
 from engine.utils import cdiv
-
-TOKENS = st.integers(0, 3)  # a tiny alphabet: prefixes collide, twins get computed
+from tests.engine.test_block_manager_property import TOKENS, BlockManagerMachine
 
 
 def chain_name(root: bytes, tokens: tuple[int, ...], bs: int) -> bytes:
@@ -38,9 +36,13 @@ def chain_name(root: bytes, tokens: tuple[int, ...], bs: int) -> bytes:
     return parent
 
 
-class GroupedBlocksMachine(RuleBasedStateMachine):
-    """``written[block]``: the token prefix the block's last written entry was
-    computed from; a row block's rows depend on every token of its span so far."""
+class GroupedBlocksMachine(BlockManagerMachine):
+    """The plain machine's rules (new requests, forks, publishing part, sampling,
+    preempting, resuming, finishing) on a grouped block manager, with its own
+    admission, compute step, draft rollback and checks, each replacing the plain
+    one of the same name. ``written[block]``: the token prefix the block's last
+    written entry was computed from; a row block's rows depend on every token of
+    its span so far."""
 
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
@@ -104,19 +106,6 @@ class GroupedBlocksMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ rules
 
-    @rule(which=st.integers(0, 2), suffix=st.lists(TOKENS, min_size=1, max_size=6))
-    def new_request(self, which: int, suffix: list[int]) -> None:
-        self.ids += 1
-        tokens = self.prefixes[which % len(self.prefixes)] + suffix
-        self.try_admit(Sequence(f"s{self.ids}", tokens, SamplingParams()))
-
-    @precondition(lambda self: self.running)
-    @rule(which=st.integers(0, 99))
-    def fork(self, which: int) -> None:
-        self.ids += 1
-        parent = self.running[which % len(self.running)]
-        self.try_admit(Sequence(f"s{self.ids}", list(parent.token_ids), SamplingParams()))
-
     @precondition(lambda self: any(s.num_computed_tokens < s.num_tokens for s in self.running))
     @rule(which=st.integers(0, 99), n=st.integers(1, 9))
     def compute(self, which: int, n: int) -> None:
@@ -147,45 +136,10 @@ class GroupedBlocksMachine(RuleBasedStateMachine):
             self.bm.free_tail(s, s.num_computed_tokens)
             s.token_ids.append(token)
 
-    @precondition(lambda self: self.running)
-    @rule(which=st.integers(0, 99), fraction=st.floats(0, 1))
-    def publish_part(self, which: int, fraction: float) -> None:
-        s = self.running[which % len(self.running)]
-        self.bm.cache_full_blocks(s, int(s.num_computed_tokens * fraction))
-
-    @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens for s in self.running))
-    @rule(which=st.integers(0, 99), token=TOKENS)
-    def sample(self, which: int, token: int) -> None:
-        done = [s for s in self.running if s.num_computed_tokens == s.num_tokens]
-        done[which % len(done)].token_ids.append(token)
-
-    @precondition(lambda self: self.running)
-    @rule(which=st.integers(0, 99))
-    def preempt_one(self, which: int) -> None:
-        self.preempt(self.running[which % len(self.running)])
-
-    @precondition(lambda self: self.waiting)
-    @rule(which=st.integers(0, 99))
-    def resume(self, which: int) -> None:
-        s = self.waiting[which % len(self.waiting)]
-        if self.try_admit(s):
-            self.waiting.remove(s)
-
-    @precondition(lambda self: self.running or self.waiting)
-    @rule(which=st.integers(0, 99))
-    def finish(self, which: int) -> None:
-        everyone = self.running + self.waiting
-        s = everyone[which % len(everyone)]
-        if s in self.running:
-            self.running.remove(s)
-            self.bm.free(s)
-        else:
-            self.waiting.remove(s)
-
     # ------------------------------------------------------------ invariants
 
     @invariant()
-    def reference_counts_are_the_holders_of_both_tables(self) -> None:
+    def reference_counts_are_the_holders(self) -> None:
         holders: dict[int, int] = {}
         for s in self.running:
             held = [b for b in s.block_table if b != HOLE] + s.row_table
@@ -198,7 +152,7 @@ class GroupedBlocksMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks + len(holders) == self.total
 
     @invariant()
-    def each_sequence_holds_its_rows_and_its_window(self) -> None:
+    def every_sequence_reads_its_own_chain(self) -> None:
         for s in self.running:
             assert len(s.row_table) == cdiv(len(s.block_table) * self.bs, self.span) or (
                 len(s.row_table) == cdiv(s.num_computed_tokens + 1, self.span)
@@ -214,7 +168,7 @@ class GroupedBlocksMachine(RuleBasedStateMachine):
                 assert self.written.get(s.block_table[i]) == expected
 
     @invariant()
-    def published_names_name_what_their_blocks_hold(self) -> None:
+    def published_hashes_name_what_their_blocks_hold(self) -> None:
         for name, block_id in self.bm.cached_blocks.items():
             chain = self.written.get(block_id)
             assert self.bm.blocks[block_id].hash == name and chain is not None
@@ -224,13 +178,6 @@ class GroupedBlocksMachine(RuleBasedStateMachine):
                 continue  # a row block: the rows of a whole span
             assert len(chain) % self.bs == 0 and name == chain_name(self.bm.root, chain, self.bs)
             assert self.bm.blocks[block_id].token_ids == chain[-self.bs :]
-
-    def teardown(self) -> None:
-        for s in list(self.running):
-            self.running.remove(s)
-            self.bm.free(s)
-        assert self.bm.num_free_blocks == self.total
-        assert all(block.ref_count == 0 for block in self.bm.blocks)
 
 
 GroupedBlocksMachine.TestCase.settings = settings(
