@@ -17,27 +17,12 @@ part of `make test`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from weight_linear import times_us  # beside this file: python benchmarks/fp4_linear.py
 
 from engine.layers.quantization import fp4
-
-
-def times_us(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(median, fastest) of ``repeats`` calls: on a shared machine the fastest is
-    the nearer to what the code costs alone."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6, min(times) * 1e6
 
 
 def torch_tiles(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,9 @@ from engine.layers.quantization.int_weight import (
 )
 
 
-def median_us(fn: Callable[[], object], repeats: int) -> float:
+def times_us(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(median, fastest) of ``repeats`` calls, after three to warm up: on a
+    shared machine the fastest is the nearer to what the code costs alone."""
     for _ in range(3):
         fn()
     times = []
@@ -48,7 +50,11 @@ def median_us(fn: Callable[[], object], repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return statistics.median(times) * 1e6, min(times) * 1e6
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    return times_us(fn, repeats)[0]
 
 
 def formats(w: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], object], float]]:
