@@ -416,8 +416,14 @@ def test_blocks_stay_consistent_after_every_step_of_speculation_and_preemption(s
 # ---------------------------------------------------------------- statistics
 
 
+# A prompt that repeats itself, so that prompt lookup drafts and some drafts are
+# accepted. Fixed here: a window of the engine's own files (book_prompts) moves with
+# every change to them, and some windows get no draft accepted at all.
+REPEATING = "def add(a, b):\n    return a + b\n\n" * 12
+
+
 def test_stats_count_drafts_acceptance_and_forwards() -> None:
-    llm, outs = generate(TINY, book_prompts(1, 800, seed=9), GREEDY, ngram(5))
+    llm, outs = generate(TINY, [REPEATING], GREEDY, ngram(5))
     s = llm.stats
     spec = s.spec_decode
     assert sum(spec.accepted_lengths) == spec.num_drafts > 0
