@@ -50,16 +50,21 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the new tokens, whose keys and values this step computes
     num_computed_tokens: int  # tokens already in the cache: token_ids[0] sits at this position
-    block_table: list[int]  # logical -> physical, or HOLE; the scheduler's own list (async: a copy)
+    # Per KV-cache group (config/cache_groups.py), logical -> physical block, or HOLE:
+    # the sequence's own lists (async: copies).
+    block_tables: tuple[list[int], ...]
     samples: bool  # does this step reach the request's last token, so that it samples after it?
-    # Its row blocks (DeepSeek-V4's compressed rows, Sequence.row_table); empty for other models.
-    row_table: list[int] = field(default_factory=list)
     # Proposed tokens, the tail of token_ids (only when samples): each is checked
     # against the token sampled at the position before it (sched/scheduler.py).
     draft_token_ids: list[int] = field(default_factory=list)
     # Only when it samples and has penalties: its output tokens so far, the newest
     # perhaps a PLACEHOLDER (async scheduling); None otherwise.
     output_token_ids: list[int] | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The token group's table, which every attention backend reads."""
+        return self.block_tables[0]
 
     @property
     def num_new_tokens(self) -> int:

@@ -64,10 +64,10 @@ class Sequence(RequestTokens):
         self.token_ids = list(token_ids)  # prompt, then every generated token
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0  # tokens whose K and V are in the cache
-        self.block_table: list[int] = []  # logical block i -> physical block id, or HOLE
+        # A block table per KV-cache group (config/cache_groups.py); the token group's
+        # first, and the others made by the block manager that keeps them.
+        self.block_tables: list[list[int]] = [[]]
         self.block_hashes: list[bytes] = []  # hash chain of the full, computed blocks
-        # DeepSeek-V4's row blocks, one per row span of tokens (kv/grouped_blocks.py).
-        self.row_table: list[int] = []
         # With a kv_window: the tokens computed before it first gave a block back,
         # whose keys saw the whole context; only their blocks may be published.
         self.num_unwindowed_tokens: int | None = None  # None: nothing given back yet
@@ -85,6 +85,11 @@ class Sequence(RequestTokens):
         self.spec_at = 0
         # Handed on by another engine (kv/handoff.py): its blocks load from the store.
         self.handoff: Handoff | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The token group's table: logical block i -> physical block id, or HOLE."""
+        return self.block_tables[0]
 
     @property
     def is_finished(self) -> bool:

@@ -25,9 +25,10 @@ class AttentionMetadata:
     context_lens_cpu: list[int] = field(default_factory=list)
     query_lens_cpu: list[int] = field(default_factory=list)
     decode_query_len: int = 1  # of this step's decodes (see decode_query_len()); 1 without drafts
-    # [seqs, max_row_blocks] int32, padded with -1: each sequence's row blocks, where
-    # DeepSeek-V4 keeps compressed rows (engine/kv/compressed_cache.py); empty otherwise.
-    row_tables: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.int32))
+    # With more than one KV-cache group (config/cache_groups.py): every group's
+    # table by group index, each [seqs, max_blocks] int32 padded with -1, group 0's
+    # being block_tables; empty for a cache of one group.
+    group_tables: tuple[torch.Tensor, ...] = ()
 
     def decodes_only(self) -> bool:
         """Is every sequence of the step a decode (what CUDA graphs and the compiled

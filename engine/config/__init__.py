@@ -3,7 +3,8 @@
 parts cannot do together refused in one place (combinations.py); what the
 checkpoint says of the model (model.py, with DeepSeek-V4's own in
 deepseek_v4.py and its FP8 weights' in fp8_format.py); speculative decoding's
-(speculative.py); the KV cache's element formats (kv_format.py).
+(speculative.py); the KV cache's element formats (kv_format.py) and its groups,
+the kinds of cached state with a block table each (cache_groups.py).
 
 Every folder of the engine may import this one: it imports nothing of the
 engine but its own modules."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from engine.config.cache_groups import KVCacheGroups, SpanGroup
 from engine.config.combinations import refuse_combinations
 from engine.config.model import ModelConfig
 from engine.config.parts import (
@@ -190,17 +191,21 @@ class EngineConfig:
 
     @property
     def model_identity(self) -> str:
-        """The model, as the prefix cache's hash chains name it: for DeepSeek-V4 with
-        its cache layout, hits of whole row spans of kv_row_span tokens only."""
+        """The model, as the prefix cache's hash chains name it, with its cache's
+        span groups: DeepSeek-V4's hits are of whole row spans only."""
         name = f"{self.hf_config.architecture}:{Path(self.model).resolve().name}"
-        return f"{name}:row-spans-of-{self.kv_row_span}" if self.kv_row_span else name
+        return name + self.kv_cache_groups.describe()
 
     @property
-    def kv_row_span(self) -> int:
-        """Tokens per row block, where DeepSeek-V4 keeps compressed rows
-        (V4Config.row_span); 0 for every other model."""
+    def kv_cache_groups(self) -> KVCacheGroups:
+        """The cache's groups (config/cache_groups.py): the token group, read raw
+        over kv_window's window (0: every token), and DeepSeek-V4's row blocks, a
+        span group of V4Config.row_span tokens; no span group for any other model."""
+        window = self.kv_window[1] if self.kv_window else 0
         v4 = self.hf_config.v4
-        return 0 if v4 is None else v4.row_span(self.block_size)
+        span = 0 if v4 is None else v4.row_span(self.block_size)
+        spans = (SpanGroup(span),) if span else ()
+        return KVCacheGroups(self.block_size, window, spans)
 
     def _default_backend(self) -> str:
         """Triton's kernels on a GPU. On the CPU, the C++ decode operator when it

@@ -22,7 +22,7 @@ from engine.distributed.balancer import ExpertBalancer
 from engine.executor.abstract import Executor
 from engine.executor.uniproc_executor import UniProcExecutor
 from engine.kv.block_manager import BlockManager
-from engine.kv.grouped_blocks import GroupedBlockManager
+from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.handoff import Handoff
 from engine.kv.hashing import chain_root
 from engine.kv.store_connector import StoreConnector, make_connector
@@ -48,13 +48,12 @@ def make_executor(config: EngineConfig, stats: EngineStats) -> Executor:
 def make_block_manager(
     config: EngineConfig, num_blocks: int, block_size: int, root: bytes
 ) -> BlockManager:
-    """The block manager of the model's cache: DeepSeek-V4's keeps a second table
-    of row blocks (kv/grouped_blocks.py)."""
-    caching = config.enable_prefix_caching
-    if not config.kv_row_span:
+    """The block manager of the model's cache: one table for a cache of one KV-cache
+    group, a coordinator across them for more (kv/coordinator.py)."""
+    caching, groups = config.enable_prefix_caching, config.kv_cache_groups
+    if groups.num_groups == 1:
         return BlockManager(num_blocks, block_size, caching, root)
-    window = config.kv_window[1] if config.kv_window else 0
-    return GroupedBlockManager(num_blocks, block_size, caching, root, config.kv_row_span, window)
+    return KVCacheCoordinator(num_blocks, groups, caching, root)
 
 
 def freeze_start_up() -> None:

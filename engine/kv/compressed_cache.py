@@ -1,21 +1,23 @@
 """The paged cache of DeepSeek-V4's attention layers: token blocks and row blocks.
 
-A request holds two block tables, drawn from one pool (GroupedBlockManager):
+A request's V4 state falls in two KV-cache groups (config/cache_groups.py), whose
+tables draw blocks from one pool (KVCacheCoordinator, kv/coordinator.py):
 
-- its token blocks (``block_table``), one per ``block_size`` tokens, as every
-  model has. In every layer a token slot holds the token's K = V row (``kv``, what
-  the sliding window reads), and in a layer with a compressor (CSA, HCA) also
-  that compressor's projections of the token (``state``, its kv and gate: what
-  closes a compression unit, maybe in a later step than the token's own), and
-  in a CSA layer the indexer's compressor's (``index_state``). Nothing reads
-  them once they are older than V4Config.window_tokens(), so the scheduler's
-  window gives those blocks back as the request runs
+- the token group's blocks (``block_table``), one per ``block_size`` tokens, as
+  every model has. In every layer a token slot holds the token's K = V row
+  (``kv``, what the sliding window reads), and in a layer with a compressor (CSA,
+  HCA) also that compressor's projections of the token (``state``, its kv and
+  gate: what closes a compression unit, maybe in a later step than the token's
+  own), and in a CSA layer the indexer's compressor's (``index_state``). Nothing
+  reads them once they are older than V4Config.window_tokens(), so the
+  scheduler's window gives those blocks back as the request runs
   (BlockManager.free_outside_window): a request holds a window's worth of them;
-- its row blocks (``row_table``), one per ``row_span`` tokens
-  (V4Config.row_span): in every compressed layer, the rows of the units whose
-  last token lies in that span (``rows``, ``row_span / rate`` of them), and in a
-  CSA layer the indexer's key of each (``index_keys``). They are read for the
-  request's whole life, so the blocks it holds grow at the compressed rate.
+- the row blocks, a span group (group ROW_GROUP, ``block_tables[ROW_GROUP]``),
+  one per ``row_span`` tokens (V4Config.row_span): in every compressed layer, the
+  rows of the units whose last token lies in that span (``rows``,
+  ``row_span / rate`` of them), and in a CSA layer the indexer's key of each
+  (``index_keys``). They are read for the request's whole life, so the blocks it
+  holds grow at the compressed rate.
 
 A block is one page of the pool, the same size whichever table holds it: the
 pool sees one cache (CompressedCacheSpec) whose blocks are pages of numbers, and
@@ -24,7 +26,7 @@ and a row block's from the page's start too. row_span is chosen to fill a row
 block about as well as a token block is filled.
 
 A row block is written until its span is full, so the prefix cache hits whole
-spans only (GroupedBlockManager.match_prefix). Everything in a block depends
+spans only (KVCacheCoordinator.match_prefix). Everything in a block depends
 only on the tokens up to it, which makes chunked prefill with boundaries inside
 units, preemption (recompute) and prefix hits exact.
 """
@@ -37,6 +39,10 @@ from typing import Protocol
 import torch
 
 from engine.config.kv_format import QuantFormat
+
+# The row blocks' KV-cache group: the token group's is 0, and V4 has this one span
+# group more (EngineConfig.kv_cache_groups).
+ROW_GROUP = 1
 
 
 @dataclass

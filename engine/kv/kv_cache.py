@@ -18,8 +18,10 @@ the pool, or hands them to another engine, would.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Protocol, cast
 
 import torch
@@ -447,8 +449,8 @@ class KVCachePool:
         """Tokens one sequence alone can reach. Every token keeps its block, but
         under a window (EngineConfig.kv_window) a request holds only its sinks',
         its window's and one step's blocks at a time, and under DeepSeek-V4 also
-        one row block for every kv_row_span tokens: the cache then holds
-        sequences far longer than its blocks of tokens."""
+        a block of each span group for every span of tokens: the cache then
+        holds sequences far longer than its blocks of tokens."""
         cfg, bs = self.config, self.block_size
         if cfg.kv_window is None:
             return self.num_blocks * bs
@@ -457,6 +459,8 @@ class KVCachePool:
         held = cdiv(sinks, bs) + cdiv(window, bs) + cdiv(step, bs) + 2  # +2: unaligned ends
         if held > self.num_blocks:
             return self.num_blocks * bs  # the window never bites before the cache is full
-        if not cfg.kv_row_span:
+        spans = cfg.kv_cache_groups.spans
+        if not spans:
             return cfg.hf_config.max_position_embeddings
-        return (self.num_blocks - held) * cfg.kv_row_span
+        per_token = sum(Fraction(1, group.span) for group in spans)  # span blocks a token adds
+        return math.floor((self.num_blocks - held) / per_token)

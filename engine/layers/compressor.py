@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.compressed_cache import read, row_slots, slots, write
+from engine.kv.compressed_cache import ROW_GROUP, read, row_slots, slots, write
 from engine.layers.partial_rope import PartialRope
 from engine.layers.seq_spans import SeqSpan
 from engine.layers.v4_norm import Float32RMSNorm
@@ -73,7 +73,7 @@ class Compressor(nn.Module):
             pooled = self.pool(read(state, slots(table, where, block_size)), lo - first)
             closed = torch.arange(lo, hi, device=x.device)
             rows_out = self.rope(self.norm(pooled), closed * m)
-            at = row_slots(meta.row_tables[span.seq], closed, rows)
+            at = row_slots(meta.group_tables[ROW_GROUP][span.seq], closed, rows)
             write(rows, at, rows_out)
 
     def pool(self, states: torch.Tensor, skip: int) -> torch.Tensor:

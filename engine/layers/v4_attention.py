@@ -28,6 +28,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config.deepseek_v4 import CSA, SLIDING
 from engine.config.model import ModelConfig
 from engine.kv.compressed_cache import (
+    ROW_GROUP,
     CompressedAttentionSpec,
     CompressedKV,
     batch_slots,
@@ -179,7 +180,7 @@ class V4Attention(nn.Module):
         if most > 0:
             assert cache.rows is not None
             rows = torch.arange(most, device=device).expand(len(spans), most)
-            row_tables = meta.row_tables[[s.seq for s in spans]].long()
+            row_tables = meta.group_tables[ROW_GROUP][[s.seq for s in spans]].long()
             keys = torch.cat(
                 [keys, read(cache.rows, batch_slots(row_tables, rows, cache.rows.shape[1]))], 1
             )
@@ -204,7 +205,7 @@ class V4Attention(nn.Module):
             assert cache.rows is not None
             num_rows = span.end // self.rate
             rows = torch.arange(num_rows, device=device)
-            where = row_slots(meta.row_tables[span.seq], rows, cache.rows)
+            where = row_slots(meta.group_tables[ROW_GROUP][span.seq], rows, cache.rows)
             keys = torch.cat([keys, read(cache.rows, where)])
             rows_mask = (
                 visible_rows(q_pos, num_rows, self.rate)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.compressed_cache import CompressedKV, batch_slots, read, row_slots
+from engine.kv.compressed_cache import ROW_GROUP, CompressedKV, batch_slots, read, row_slots
 from engine.layers.compressor import Compressor
 from engine.layers.indexer import SCORE_TILE, best_first, index_scores, pairwise_sum
 from engine.layers.partial_rope import PartialRope
@@ -94,7 +94,7 @@ class V4Indexer(nn.Module):
         for span in spans:
             num_rows = span.end // m
             rows = torch.arange(num_rows, device=x.device)
-            where = row_slots(meta.row_tables[span.seq], rows, cache.index_keys)
+            where = row_slots(meta.group_tables[ROW_GROUP][span.seq], rows, cache.index_keys)
             keys = read(cache.index_keys, where)
             # relu(q.k) / sqrt(dim) = relu(q.k / sqrt(dim)): the scale is positive
             scores = index_scores(q[span.rows], w[span.rows], keys, self.dim**-0.5)
@@ -116,7 +116,7 @@ class V4Indexer(nn.Module):
         ends = torch.tensor([s.end for s in spans], device=q.device)
         most = max(s.end for s in spans) // self.rate
         rows = torch.arange(most, device=q.device).expand(len(spans), most)
-        tables = meta.row_tables[[s.seq for s in spans]].long()
+        tables = meta.group_tables[ROW_GROUP][[s.seq for s in spans]].long()
         keys = read(index_keys, batch_slots(tables, rows, index_keys.shape[1])).float()
         q, w = q.float(), w.float()
         scores = q.new_empty((len(spans), most))

@@ -100,7 +100,7 @@ class InputBatch:
         self, pool: KVCachePool, device: torch.device, vocab_size: int, reads_block_holes: bool
     ) -> None:
         """``reads_block_holes``: the model reads its block tables by position,
-        a window's holes and all, and its row tables (DeepSeek-V4)."""
+        a window's holes and all (DeepSeek-V4)."""
         self.pool, self.block_size, self.device = pool, pool.block_size, device
         self.vocab_size = vocab_size
         self.reads_block_holes = reads_block_holes
@@ -171,10 +171,11 @@ class InputBatch:
             query_lens_cpu=flat.query_lens,
             decode_query_len=q,
         )
-        if self.reads_block_holes:  # and its row blocks (engine/kv/compressed_cache.py)
-            row_tables = padded([item.row_table for item in items])
-            self.pool.touch(max((b for t in row_tables for b in t), default=-1) + 1)
-            meta.row_tables = self._tensor(row_tables, torch.int32)
+        groups = max((len(item.block_tables) for item in items), default=1)
+        if groups > 1:  # the other KV-cache groups' tables (config/cache_groups.py)
+            others = [padded([table_of(item, g) for item in items]) for g in range(1, groups)]
+            self.pool.touch(max((b for t in others for row in t for b in row), default=-1) + 1)
+            meta.group_tables = (meta.block_tables, *(self._tensor(t, torch.int32) for t in others))
         return meta
 
     def _prompt_rows(self, items: list[ScheduledRequest]) -> PromptRows | None:
@@ -297,3 +298,8 @@ def is_decode(item: ScheduledRequest, query_len: int) -> bool:
     """Is the item one of the step's decodes, whose query is ``query_len`` tokens:
     its newest token, then the drafts that make up the rest?"""
     return item.num_new_tokens == query_len == decode_query_len(item.num_drafts)
+
+
+def table_of(item: ScheduledRequest, group: int) -> list[int]:
+    """The item's table of KV-cache group ``group``; empty if it holds none yet."""
+    return item.block_tables[group] if group < len(item.block_tables) else []

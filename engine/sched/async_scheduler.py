@@ -99,8 +99,7 @@ class AsyncScheduler(Scheduler):
         item = Scheduler._scheduled(seq, n, drafts)
         # The step runs while the scheduler goes on changing its own lists: the
         # step gets a block table of its own.
-        item.block_table = list(item.block_table)
-        item.row_table = list(item.row_table)
+        item.block_tables = tuple(list(table) for table in item.block_tables)
         return item
 
     def must_sync(self) -> bool:

@@ -222,9 +222,8 @@ class Scheduler(OutputFold):
             seq.request_id,
             seq.token_ids[start : start + n] + drafts.token_ids,
             start,
-            seq.block_table,
+            tuple(seq.block_tables),
             samples=samples,
-            row_table=seq.row_table,
             draft_token_ids=drafts.token_ids,
             output_token_ids=seq.output_token_ids if samples and seq.params.has_penalties else None,
         )

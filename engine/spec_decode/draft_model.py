@@ -130,7 +130,7 @@ class DraftModelProposer:
         """The shadow's tokens from ``start`` on, whose keys and values the draft computes."""
         shadow = lane.shadow
         return ScheduledRequest(
-            shadow.request_id, shadow.token_ids[start:], start, shadow.block_table, True
+            shadow.request_id, shadow.token_ids[start:], start, (shadow.block_table,), True
         )
 
     def _forward(self, seqs: list[DraftRequest], items: list[ScheduledRequest]) -> torch.Tensor:

@@ -319,7 +319,8 @@ def kv_bytes_per_token_per_layer(llm: LLM) -> float:
     layers; for DeepSeek-V4, in the long-context limit, where a request holds one
     block per row span (kv/compressed_cache.py) beside a window that does not grow."""
     pool, cfg = llm.llm_engine.executor.model_runner.kv_cache, llm.llm_engine.config
-    tokens = cfg.kv_row_span or pool.block_size
+    spans = cfg.kv_cache_groups.spans
+    tokens = spans[0].span if spans else pool.block_size
     return pool.block_bytes() / tokens / cfg.hf_config.num_hidden_layers
 
 
@@ -331,7 +332,7 @@ def kv_cache_lines(llm: LLM, baselines: list[str]) -> list[str]:
     hf = cfg.hf_config
     ours = kv_bytes_per_token_per_layer(llm)
     rows = [(f"this model ({hf.architecture})", ours)]
-    if cfg.kv_row_span:
+    if cfg.kv_cache_groups.spans:
         rows[0] = ("this model (V4, long-context limit)", ours)
     if hf.mla is not None:
         rows[0] = (f"this model (MLA: {hf.mla.kv_lora_rank} + {hf.mla.qk_rope_head_dim})", ours)

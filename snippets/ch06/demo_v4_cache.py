@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
+from engine.kv.compressed_cache import ROW_GROUP
 from engine.layers import compressor
 from engine.scheduler_output import HOLE
 from engine.utils import cdiv
@@ -77,7 +78,7 @@ def held_blocks(llm: LLM) -> dict[int, tuple[int, int]]:
         engine.step()
         for seq in engine.scheduler.running:
             tokens = sum(1 for b in seq.block_table if b != HOLE)
-            held[seq.num_computed_tokens] = (tokens, len(seq.row_table))
+            held[seq.num_computed_tokens] = (tokens, len(seq.block_tables[ROW_GROUP]))
     return held
 
 
@@ -120,7 +121,8 @@ def main() -> dict:
         with watching_rows(llm) as seen:
             held = held_blocks(llm)
         rows = [len(slots) for slots in seen]
-    span = llm.llm_engine.config.kv_row_span
+    [row_group] = llm.llm_engine.config.kv_cache_groups.spans
+    span = row_group.span
     pool = llm.llm_engine.executor.model_runner.kv_cache
     block_bytes = pool.block_bytes()
     [spec] = pool.specs  # every layer's parts, in one page per block

@@ -90,7 +90,7 @@ def test_free_never_releases_a_block_someone_still_holds() -> None:
     bm.free(b)
     assert bm.num_free_blocks == 8
     with pytest.raises(AssertionError, match="freed more often than held"):
-        b.block_table = [shared[0]]
+        b.block_tables[0] = [shared[0]]
         bm.free(b)
 
 

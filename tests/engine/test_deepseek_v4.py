@@ -27,6 +27,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.metadata import AttentionMetadata
+from engine.kv.compressed_cache import ROW_GROUP
 from engine.layers.hyper_connection import sinkhorn
 from engine.scheduler_output import HOLE
 from engine.utils import cdiv
@@ -203,17 +204,20 @@ def one_sequence(n: int, context: int, llm: LLM) -> AttentionMetadata:
     of llm's pool, and its row blocks counted down from the pool's last block."""
     config, pool = llm.llm_engine.config, llm.llm_engine.executor.model_runner.kv_cache
     token_blocks = cdiv(context, config.block_size)
-    row_blocks = [pool.num_blocks - 1 - j for j in range(cdiv(context, config.kv_row_span))]
+    row_blocks = [
+        pool.num_blocks - 1 - j for j in range(cdiv(context, config.kv_cache_groups.spans[0].span))
+    ]
     assert token_blocks <= row_blocks[-1], "the pool holds both tables"
+    tables = torch.arange(token_blocks, dtype=torch.int32)[None]
     return AttentionMetadata(
         slot_mapping=torch.arange(context - n, context),
-        block_tables=torch.arange(token_blocks, dtype=torch.int32)[None],
+        block_tables=tables,
         context_lens=torch.tensor([context], dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
         num_decodes=int(n == 1),
         context_lens_cpu=[context],
         query_lens_cpu=[n],
-        row_tables=torch.tensor([row_blocks], dtype=torch.int32),
+        group_tables=(tables, torch.tensor([row_blocks], dtype=torch.int32)),
     )
 
 
@@ -252,7 +256,7 @@ def test_sparsity_changes_the_output(v4_csa, tmp_path) -> None:
 
 def test_prefix_hits_are_whole_row_spans(v4) -> None:
     """A second prompt shares 70 tokens with the first. A row block holds the
-    compressed rows of one span of kv_row_span tokens (36 to 48 here, in blocks of
+    compressed rows of one row span of tokens (36 to 48 here, in blocks of
     2), written until the span is full, so the prefix cache hits whole spans
     only. The hit ends inside a window of an HCA layer, whose rows then close from
     compressor states read from cached blocks. Each prompt runs alone on one
@@ -264,7 +268,7 @@ def test_prefix_hits_are_whole_row_spans(v4) -> None:
     tokens, llm = generate(path, [first], block_size=2, max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     out = llm.generate([second], params, use_tqdm=False)[0].token_ids
-    span = llm.llm_engine.config.kv_row_span
+    span = llm.llm_engine.config.kv_cache_groups.spans[0].span
     assert 0 < llm.stats.prefix_cache_hit_tokens == 70 // span * span, (span, llm.stats)
     assert llm.llm_engine.config.model_identity.endswith(f":row-spans-of-{span}")
     assert [tokens[0], out] == [hf_greedy(hf, first, MAX_TOKENS), hf_greedy(hf, second, MAX_TOKENS)]
@@ -421,7 +425,7 @@ def held_blocks_while_generating(llm: LLM, prompt: list[int], n: int) -> list[tu
     while engine.has_unfinished_requests():
         engine.step()
         for seq in engine.scheduler.running:
-            blocks = sum(1 for b in seq.block_table if b != HOLE) + len(seq.row_table)
+            blocks = sum(1 for b in seq.block_table if b != HOLE) + len(seq.block_tables[ROW_GROUP])
             held.append((seq.num_computed_tokens, blocks))
     return held
 
@@ -439,7 +443,7 @@ def test_blocks_grow_at_the_compressed_rate(tmp_path) -> None:
     assert llm.llm_engine.max_model_len >= 4000 > 100 * 4
     prompt = (PROMPTS[3] * 100)[:3900]
     held = held_blocks_while_generating(llm, prompt, 100)
-    span = llm.llm_engine.config.kv_row_span
+    span = llm.llm_engine.config.kv_cache_groups.spans[0].span
     cfg = llm.llm_engine.config.hf_config
     assert held[-1][0] == 3998  # recorded while running: all but the last two tokens
     steady = held[2:]  # once the window's blocks before the chunk are there
@@ -553,7 +557,7 @@ def test_a_row_block_is_never_found_behind_another_spans_tokens(three_types) -> 
     )
     prompts = [shared + tail_a + [7], shared + tail_b + [7], shared + tail_b + [9, 10]]
     llm = LLM(path, dtype="float32", block_size=2, max_num_seqs=1)
-    span = llm.llm_engine.config.kv_row_span
+    span = llm.llm_engine.config.kv_cache_groups.spans[0].span
     params = SamplingParams(temperature=0, max_tokens=4)
     outs, hits = [], []
     for prompt in prompts:
@@ -577,7 +581,7 @@ def test_a_hit_needs_only_the_token_blocks_its_window_reads(three_types) -> None
     shared = torch.randint(3, VOCAB, (150,), generator=g).tolist()
     first, second = shared + [7], shared + [9, 10]
     llm = LLM(path, dtype="float32", block_size=2, max_num_seqs=1)
-    blocks, span = llm.llm_engine.block_manager, llm.llm_engine.config.kv_row_span
+    blocks, span = llm.llm_engine.block_manager, llm.llm_engine.config.kv_cache_groups.spans[0].span
     params = SamplingParams(temperature=0, max_tokens=4)
     llm.generate([first], params, use_tqdm=False)
     parent = blocks.root

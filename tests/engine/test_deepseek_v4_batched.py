@@ -45,7 +45,9 @@ def test_batched_decodes_equal_one_at_a_time(three_types, monkeypatch) -> None:
         out = decode_rows(self, q, w, spans, meta, index_keys)
         for i, span in enumerate(spans):
             rows = torch.arange(span.end // self.rate)
-            where = v4_indexer.row_slots(meta.row_tables[span.seq], rows, index_keys)
+            where = v4_indexer.row_slots(
+                meta.group_tables[v4_indexer.ROW_GROUP][span.seq], rows, index_keys
+            )
             keys = v4_indexer.read(index_keys, where)
             scores = v4_indexer.index_scores(q[i : i + 1], w[i : i + 1], keys, self.dim**-0.5)
             visible = v4_indexer.visible_rows(span.positions(q.device), len(rows), self.rate)

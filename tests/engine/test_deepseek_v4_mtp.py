@@ -133,16 +133,17 @@ def one_sequence(start: int, end: int, llm: LLM) -> AttentionMetadata:
     """Positions [start, end) of one sequence in token blocks 0, 1, ... and row
     blocks counted down from the pool's end (as test_deepseek_v4.one_sequence)."""
     config, pool = llm.llm_engine.config, llm.llm_engine.executor.model_runner.kv_cache
-    rows = [pool.num_blocks - 1 - j for j in range(cdiv(end, config.kv_row_span))]
+    rows = [pool.num_blocks - 1 - j for j in range(cdiv(end, config.kv_cache_groups.spans[0].span))]
+    tables = torch.arange(cdiv(end, config.block_size), dtype=torch.int32)[None]
     return AttentionMetadata(
         slot_mapping=torch.arange(start, end),
-        block_tables=torch.arange(cdiv(end, config.block_size), dtype=torch.int32)[None],
+        block_tables=tables,
         context_lens=torch.tensor([end], dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
         num_decodes=int(end - start == 1),
         context_lens_cpu=[end],
         query_lens_cpu=[end - start],
-        row_tables=torch.tensor([rows], dtype=torch.int32),
+        group_tables=(tables, torch.tensor([rows], dtype=torch.int32)),
     )
 
 

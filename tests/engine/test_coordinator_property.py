@@ -1,17 +1,19 @@
-"""DeepSeek-V4's grouped block manager (engine/kv/grouped_blocks.py) under any
+"""The KV-cache coordinator (engine/kv/coordinator.py), DeepSeek-V4's, under any
 sequence of operations, as test_block_manager_property.py drives the plain one.
 
-A state machine drives one GroupedBlockManager the way the scheduler does: new
+A state machine drives one KVCacheCoordinator the way the scheduler does: new
 requests and forks, prompt chunks and decode tokens, the window giving token
 blocks back (sinks 0, as V4 runs), drafts allocated and rolled back
 (free_tail), partial publishing, preemption and resumption, finishing. It keeps a
-model of what each block holds: a token block's keys and values, and a row
-block's compressed rows, each computed from a token prefix. After every
-operation: reference counts are the holders of both tables, free plus held
-blocks are all blocks, a sequence holds one row block per row span it has
-allocated, the token blocks it still holds are the ones its window reads, a
-published name (token or row) names a block computed for exactly that chain, a
-prefix hit hands over rows and window blocks of the chain it was asked for,
+model of what each block holds: a token block's keys and values, and a span
+block's state (V4's compressed rows), each computed from a token prefix. It runs
+with one span group, as V4 has, and with a second whose span need not divide the
+first's. After every operation: reference counts are the holders of every table,
+free plus held blocks are all blocks, a sequence holds one block of each span
+group per span it has allocated, the token blocks it still holds are the ones
+its window reads, a published name (token or span) names a block computed for
+exactly that chain, a prefix hit hands over whole spans of every group and the
+window blocks of the chain it was asked for,
 nobody writes into a block someone else holds, and freeing everything at the
 end returns every block."""
 
@@ -21,7 +23,8 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from engine.kv.grouped_blocks import GroupedBlockManager
+from engine.config.cache_groups import KVCacheGroups, SpanGroup
+from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.hashing import chain_hash
 from engine.scheduler_output import HOLE
 from engine.sequence import Sequence
@@ -36,6 +39,11 @@ def chain_name(root: bytes, tokens: tuple[int, ...], bs: int) -> bytes:
     return parent
 
 
+def table(s: Sequence, group: int) -> list[int]:
+    """The sequence's table of span group ``group``, if it has one yet."""
+    return s.block_tables[group] if len(s.block_tables) > group else []
+
+
 class GroupedBlocksMachine(BlockManagerMachine):
     """The plain machine's rules (new requests, forks, publishing part, sampling,
     preempting, resuming, finishing) on a grouped block manager, with its own
@@ -47,14 +55,21 @@ class GroupedBlocksMachine(BlockManagerMachine):
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
         per_span=st.sampled_from([1, 2, 4]),
+        per_second_span=st.sampled_from([0, 1, 3]),  # 0: one span group, as V4 has
         window_blocks=st.integers(1, 4),
         num_blocks=st.integers(6, 30),
         prefixes=st.lists(st.lists(TOKENS, min_size=1, max_size=16), min_size=1, max_size=3),
     )
-    def start(self, block_size, per_span, window_blocks, num_blocks, prefixes) -> None:
-        self.bs, self.span = block_size, block_size * per_span
+    def start(
+        self, block_size, per_span, per_second_span, window_blocks, num_blocks, prefixes
+    ) -> None:
+        self.bs = block_size
+        # Span group g's span is spans[g - 1]; a second group's need not divide the first's.
+        self.spans = [block_size * k for k in (per_span, per_second_span) if k]
         self.window = window_blocks * block_size
-        self.bm = GroupedBlockManager(num_blocks, block_size, True, None, self.span, self.window)
+        spans = tuple(SpanGroup(span) for span in self.spans)
+        self.groups = KVCacheGroups(block_size, self.window, spans)
+        self.bm = KVCacheCoordinator(num_blocks, self.groups, True, None)
         self.total, self.prefixes = num_blocks, prefixes
         self.running: list[Sequence] = []  # arrival order, as the scheduler keeps them
         self.waiting: list[Sequence] = []
@@ -67,7 +82,7 @@ class GroupedBlocksMachine(BlockManagerMachine):
         hits = self.bm.match_prefix(s.token_ids)
         assert len(hits) * self.bs < s.num_tokens  # the last token is always computed
         n = len(hits) * self.bs
-        assert n % self.span == 0, "a hit covers whole row spans"
+        assert n % self.groups.hit_unit() == 0, "a hit covers whole spans of every group"
         for i, block_id in enumerate(hits):
             if block_id != HOLE:  # a window block of the asked-for chain
                 assert self.written.get(block_id) == tuple(s.token_ids[: (i + 1) * self.bs])
@@ -76,8 +91,10 @@ class GroupedBlocksMachine(BlockManagerMachine):
         if not self.bm.can_admit(hits, n + 1):
             return False
         self.bm.take_cached(s, hits)
-        for j, row in enumerate(s.row_table):  # the rows of the hit's spans
-            assert self.written.get(row) == tuple(s.token_ids[: (j + 1) * self.span])
+        for g, span in enumerate(self.spans, 1):  # the span blocks of the hit's spans
+            assert len(table(s, g)) == (n // span if hits else 0)
+            for j, block_id in enumerate(table(s, g)):
+                assert self.written.get(block_id) == tuple(s.token_ids[: (j + 1) * span])
         assert self.bm.allocate(s, n + 1)  # can_admit said so
         assert s.num_computed_tokens == n
         self.running.append(s)
@@ -87,7 +104,7 @@ class GroupedBlocksMachine(BlockManagerMachine):
     def preempt(self, s: Sequence) -> None:
         self.running.remove(s)
         self.bm.free(s)
-        assert s.block_table == [] and s.row_table == [] and s.num_computed_tokens == 0
+        assert s.block_tables == [[]] and s.num_computed_tokens == 0
         self.waiting.append(s)
 
     def make_room(self, s: Sequence, tokens: int) -> bool:
@@ -120,7 +137,8 @@ class GroupedBlocksMachine(BlockManagerMachine):
         for p in range(start, start + n):
             prefix = tuple(s.token_ids[: p + 1])
             self.write(s.block_table[p // self.bs], prefix)
-            self.write(s.row_table[p // self.span], prefix)
+            for g, span in enumerate(self.spans, 1):
+                self.write(table(s, g)[p // span], prefix)
         s.num_computed_tokens += n
         self.bm.cache_full_blocks(s)
         self.bm.free_outside_window(s, 0, self.window)
@@ -134,6 +152,11 @@ class GroupedBlocksMachine(BlockManagerMachine):
         s = done[which % len(done)]
         if self.make_room(s, s.num_tokens + drafts):
             self.bm.free_tail(s, s.num_computed_tokens)
+            nc = s.num_computed_tokens  # every table back to what the computed tokens need
+            assert len(s.block_table) == cdiv(nc, self.bs)
+            assert [len(table(s, g)) for g in range(1, len(self.spans) + 1)] == [
+                cdiv(nc, span) for span in self.spans
+            ]
             s.token_ids.append(token)
 
     # ------------------------------------------------------------ invariants
@@ -142,7 +165,7 @@ class GroupedBlocksMachine(BlockManagerMachine):
     def reference_counts_are_the_holders(self) -> None:
         holders: dict[int, int] = {}
         for s in self.running:
-            held = [b for b in s.block_table if b != HOLE] + s.row_table
+            held = [b for t in s.block_tables for b in t if b != HOLE]
             assert len(set(held)) == len(held)
             for block_id in held:
                 holders[block_id] = holders.get(block_id, 0) + 1
@@ -154,13 +177,15 @@ class GroupedBlocksMachine(BlockManagerMachine):
     @invariant()
     def every_sequence_reads_its_own_chain(self) -> None:
         for s in self.running:
-            assert len(s.row_table) == cdiv(len(s.block_table) * self.bs, self.span) or (
-                len(s.row_table) == cdiv(s.num_computed_tokens + 1, self.span)
-            ), (len(s.row_table), len(s.block_table), s.num_computed_tokens)
             nc = s.num_computed_tokens
-            for j in range(cdiv(nc, self.span)):  # every computed span's rows
-                expected = tuple(s.token_ids[: min(nc, (j + 1) * self.span)])
-                assert self.written.get(s.row_table[j]) == expected
+            for g, span in enumerate(self.spans, 1):
+                rows = table(s, g)
+                assert len(rows) == cdiv(len(s.block_table) * self.bs, span) or (
+                    len(rows) == cdiv(nc + 1, span)
+                ), (g, len(rows), len(s.block_table), nc)
+                for j in range(cdiv(nc, span)):  # every computed span's block
+                    expected = tuple(s.token_ids[: min(nc, (j + 1) * span)])
+                    assert self.written.get(rows[j]) == expected
             first_read = max(0, nc - self.window) // self.bs  # the window's first block
             for i in range(first_read, cdiv(nc, self.bs)):
                 assert s.block_table[i] != HOLE, "a block the window reads was given back"
@@ -172,10 +197,12 @@ class GroupedBlocksMachine(BlockManagerMachine):
         for name, block_id in self.bm.cached_blocks.items():
             chain = self.written.get(block_id)
             assert self.bm.blocks[block_id].hash == name and chain is not None
-            if len(chain) % self.span == 0 and name == self.bm.row_name(
-                chain_name(self.bm.root, chain, self.bs)
+            if any(
+                len(chain) % span == 0
+                and name == self.bm.span_name(chain_name(self.bm.root, chain, self.bs), g)
+                for g, span in enumerate(self.spans, 1)
             ):
-                continue  # a row block: the rows of a whole span
+                continue  # a span block: a whole span's state
             assert len(chain) % self.bs == 0 and name == chain_name(self.bm.root, chain, self.bs)
             assert self.bm.blocks[block_id].token_ids == chain[-self.bs :]
 
