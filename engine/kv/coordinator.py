@@ -57,8 +57,11 @@ class KVCacheCoordinator(BlockManager):
     def _no_match(self) -> _Match:
         return _Match([], [[] for _ in self.spans], [])
 
-    def span_blocks_needed(self, group: int, num_tokens: int) -> int:
-        """Blocks of span group ``group`` (1, 2, ...) that ``num_tokens`` tokens fill."""
+    def group_blocks_needed(self, group: int, num_tokens: int) -> int:
+        """Blocks of group ``group`` that ``num_tokens`` tokens fill: token blocks for
+        group 0, span blocks for span group 1, 2, ..."""
+        if group == 0:
+            return self.blocks_needed(num_tokens)
         return cdiv(num_tokens, self.spans[group - 1])
 
     def _tables(self, seq: Sequence) -> list[list[int]]:
@@ -151,7 +154,7 @@ class KVCacheCoordinator(BlockManager):
         idle = sum(1 for b in held if self.blocks[b].ref_count == 0)
         fresh = self.blocks_needed(num_tokens) - len(hits)
         for group, blocks in enumerate(spans, 1):
-            fresh += self.span_blocks_needed(group, num_tokens) - len(blocks)
+            fresh += self.group_blocks_needed(group, num_tokens) - len(blocks)
         return fresh <= self.num_free_blocks - idle
 
     def take_cached(self, seq: Sequence, hits: list[int]) -> None:
@@ -171,9 +174,7 @@ class KVCacheCoordinator(BlockManager):
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow every table to hold ``num_tokens`` tokens; all or nothing."""
         tables = [seq.block_table, *self._tables(seq)]
-        needed = [self.blocks_needed(num_tokens)]
-        needed += [self.span_blocks_needed(g, num_tokens) for g in range(1, len(tables))]
-        need = [n - len(table) for n, table in zip(needed, tables)]
+        need = [self.group_blocks_needed(g, num_tokens) - len(t) for g, t in enumerate(tables)]
         if sum(need) > self.num_free_blocks:
             return False
         for table, n in zip(tables, need):
@@ -192,7 +193,7 @@ class KVCacheCoordinator(BlockManager):
         scheduler's rollback of rejected drafts)."""
         super().free_tail(seq, num_tokens)
         for group, table in enumerate(self._tables(seq), 1):
-            keep = self.span_blocks_needed(group, num_tokens)
+            keep = self.group_blocks_needed(group, num_tokens)
             for block_id in table[keep:]:
                 self._release(block_id)  # never published: its span is not computed
             del table[keep:]
