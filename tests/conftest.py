@@ -3,9 +3,11 @@ and a Redis server of the test's own."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -75,6 +77,35 @@ def site(tmp_path_factory) -> Iterator[Site]:
     thread.start()
     yield Site(url, out)
     server.shutdown()
+
+
+CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+
+
+@pytest.fixture(scope="session")
+def print_site(tmp_path_factory) -> Path:
+    """The book as `make pdf` builds it (BOOK_PDF: the print page, and every page
+    linking the PDF and the EPUB), built once for the PDF's and the EPUB's tests,
+    which each print it, as `make pdf` prints one build to both, and add only their
+    own file to it. Under pytest-xdist the workers share one build: the first to
+    need it builds it, under a lock the others wait on."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs /usr/bin/chromium as root")
+    if "book_pdf" not in sys.modules:  # docs/tools/epub.py loads pdf.py under this name too
+        load_script(ROOT / "docs" / "tools" / "pdf.py", "book_pdf")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp("print-site")
+        sys.modules["book_pdf"].build(out)
+        return out
+    run = tmp_path_factory.getbasetemp().parent  # this run's, shared by its workers
+    out, done = run / "print-site", run / "print-site.built"
+    with (run / "print-site.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a build that failed half way
+            sys.modules["book_pdf"].build(out)
+            done.touch()
+    return out
 
 
 def gone(pid: int) -> bool:

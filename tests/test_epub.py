@@ -39,11 +39,8 @@ class Book:
 
 
 @pytest.fixture(scope="session")
-def book(tmp_path_factory) -> Book:
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs /usr/bin/chromium as root")
-    site_dir = tmp_path_factory.mktemp("epub-site")
-    epub.pdf.build(site_dir)
+def book(print_site: Path) -> Book:
+    site_dir = print_site
     written = epub.make_epub(site_dir, CHROMIUM, site_dir / epub.EPUB_NAME)
     print(
         f"\n{epub.EPUB_NAME}: {written.path.stat().st_size / 2**20:.2f} MiB in {written.seconds:.0f} s"

@@ -47,12 +47,8 @@ def squash(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def printed(tmp_path_factory):
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs /usr/bin/chromium as root")
-    site_dir = tmp_path_factory.mktemp("pdf-site")
-    pdf.build(site_dir)
-    return pdf.print_book(site_dir, CHROMIUM)
+def printed(print_site: Path):
+    return pdf.print_book(print_site, CHROMIUM)
 
 
 def test_pdf_has_every_chapter_and_draws_every_diagram(printed) -> None:
