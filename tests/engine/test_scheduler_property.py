@@ -21,6 +21,14 @@ the model agrees with, the rejected drafts' blocks go back at once (a running
 request holds the blocks of its computed tokens and no more), the speculative
 counters equal the drafts scheduled and accepted, and every request still ends
 with the output it would have had alone.
+
+With a store behind a KV connector (the third test), finished requests save
+their computed blocks, at once or later, and new ones load what the store holds,
+at once or in the background, a background load now and then failing a block.
+A model of what every block holds, written by steps and loads, checks that each
+step reads its own prefix in every slot before its new tokens, that a save reads
+blocks holding what they were computed from and still held, and that the books
+count blocks held by loads and saves.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from hypothesis import strategies as st
 from engine.kv.block_manager import BlockManager
 from engine.outputs import EngineCoreEvent, EngineCoreEventType, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.connector_hook import ConnectorHook
 from engine.sched.scheduler import Scheduler
 from engine.scheduler_output import ScheduledRequest
 from engine.sequence import Sequence, SequenceStatus
@@ -84,7 +93,15 @@ def check_books(sched: Scheduler, seqs: dict[str, Sequence], preempted: dict[str
     assert all(s.status is SequenceStatus.RUNNING for s in running)
     assert all(s.status is SequenceStatus.WAITING for s in waiting)
     assert all(s.block_table == [] and s.num_computed_tokens == 0 for s in waiting)
-    held = {b for s in running for b in s.block_table}
+    # Blocks are held by the running, by loads in flight and by finished requests
+    # whose blocks a store still saves (the connector's hook).
+    loading = [seq for seq, _ in sched.kv.loading.values()]
+    holders = running + loading + list(sched.kv.saving.values())
+    held = {b for s in holders for b in s.block_table}
+    # A load keeps its request waiting, or finished (aborted) until the load is done.
+    assert all(
+        s.status in (SequenceStatus.WAITING_FOR_KV, SequenceStatus.FINISHED) for s in loading
+    )
     bm = sched.block_manager
     assert not held & set(bm.free_blocks)
     assert len(held) + bm.num_free_blocks == len(bm.blocks)
@@ -192,18 +209,139 @@ def check_drafts(out, seqs: dict[str, Sequence], handed: dict[str, tuple[int, li
         assert item.token_ids[-item.num_drafts :] == item.draft_token_ids
 
 
-def check_blocks_after_update(sched: Scheduler) -> None:
-    """Rejected drafts' blocks went back: each running request holds the blocks
-    of its computed tokens, no more."""
+def check_blocks_after_update(sched: Scheduler, out) -> None:
+    """Rejected drafts' blocks went back: a running request that checked drafts
+    holds the blocks of its computed tokens, no more. (Others may hold blocks
+    ahead of them: a load that failed a block leaves it to be computed.)"""
     bs = sched.block_manager.block_size
+    checked = {item.req_id for item in out.scheduled if item.num_drafts}
     for seq in sched.running:
-        assert len(seq.block_table) == cdiv(seq.num_computed_tokens, bs), seq.request_id
+        if seq.request_id in checked:
+            assert len(seq.block_table) == cdiv(seq.num_computed_tokens, bs), seq.request_id
 
 
-def run_workload(w: Workload, drafting: Drafting | None = None) -> None:
-    sched = Scheduler(
-        w.max_num_seqs, w.budget, BlockManager(w.num_blocks, w.block_size), EngineStats()
-    )
+class Contents:
+    """What each physical block holds, as the token prefix its last written slot
+    was computed from: the model writes the slots of the tokens a step computes,
+    a store's loads write whole blocks, and a step reads every slot before its
+    first new token, which must hold exactly the sequence's own prefix."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched, self.bs = sched, sched.block_manager.block_size
+        self.written: dict[int, tuple[int, ...]] = {}
+
+    def write(self, seq: Sequence, block_id: int, end: int) -> None:
+        """The block now holds the slots of seq's tokens up to ``end``."""
+        assert self.sched.block_manager.blocks[block_id].ref_count == 1, "a shared block written"
+        self.written[block_id] = tuple(seq.token_ids[:end])
+
+    def holds_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """The slots of ``seq``'s first ``num_tokens`` tokens hold that prefix: a
+        slot's content depends on the tokens up to it, and a block's slots are
+        written in order, so its last write must extend the prefix read."""
+        for i in range(cdiv(num_tokens, self.bs)):
+            end = min(num_tokens, (i + 1) * self.bs)
+            last = self.written.get(seq.block_table[i], ())
+            assert len(last) >= end and last[:end] == tuple(seq.token_ids[:end]), (
+                seq.request_id,
+                i,
+            )
+
+    def step(self, out, seqs: dict[str, Sequence]) -> None:
+        """Every scheduled request writes its new tokens' slots (drafts included:
+        the step computes them too), then reads its tokens before them: as every
+        layer stores the whole batch before any attention reads, a request may
+        read a block another request of the same step fills (Scheduler._publish)."""
+        for item in out.scheduled:
+            tokens = seqs[item.req_id].token_ids[: item.num_computed_tokens] + item.token_ids
+            for p in range(item.num_computed_tokens, len(tokens)):
+                self.written[item.block_table[p // self.bs]] = tuple(tokens[: p + 1])
+        for item in out.scheduled:
+            self.holds_prefix(seqs[item.req_id], item.num_computed_tokens)
+
+
+class FakeStore:
+    """A KV store behind a connector (kv/connector.py), as the scheduler sees it:
+    a finished request saves its computed whole blocks, at once or later; a new
+    request is offered the stored blocks past its cached ones, loaded at once or
+    in the background; a background load now and then fails a block, and loads
+    fewer tokens. Every save checks that each block holds what it was computed
+    from, and every load writes the stored prefix into its blocks."""
+
+    def __init__(self, rng: random.Random, contents: Contents) -> None:
+        self.rng, self.contents, self.bs = rng, contents, contents.bs
+        self.saved: set[tuple[int, ...]] = set()  # the whole-block prefixes stored
+        self.loads: dict[str, tuple[Sequence, list[int], int]] = {}  # in the background
+        self.saves: dict[str, list[int]] = {}  # finished, blocks still being read
+        self.loaded_tokens = self.saved_blocks = 0
+        self.in_background = False  # the last offer's way of loading
+
+    def num_external_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+        n = 0
+        while num_computed_tokens + n + self.bs < seq.num_tokens and (
+            tuple(seq.token_ids[: num_computed_tokens + n + self.bs]) in self.saved
+        ):
+            n += self.bs
+        self.in_background = self.rng.random() < 0.5
+        return n, self.in_background
+
+    def after_allocation(self, seq: Sequence, block_ids: list[int], num_external: int) -> None:
+        start = seq.num_computed_tokens
+        assert len(block_ids) * self.bs == num_external and seq.request_id not in self.loads
+        if self.in_background:
+            self.loads[seq.request_id] = (seq, block_ids, start)
+            return
+        for i, block_id in enumerate(block_ids):  # before this step's forward pass
+            self.contents.write(seq, block_id, start + (i + 1) * self.bs)
+        self.loaded_tokens += num_external
+
+    def finished_loads(self) -> dict[str, int]:
+        done = {}
+        for req_id in [r for r in self.loads if self.rng.random() < 0.6]:
+            seq, block_ids, start = self.loads.pop(req_id)
+            good = len(block_ids) if self.rng.random() < 0.8 else self.rng.randrange(len(block_ids))
+            for i, block_id in enumerate(block_ids[:good]):
+                self.contents.write(seq, block_id, start + (i + 1) * self.bs)
+            done[req_id] = good * self.bs
+            self.loaded_tokens += good * self.bs
+        return done
+
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
+        self.contents.holds_prefix(seq, seq.num_computed_tokens // self.bs * self.bs)
+        for i in range(seq.num_computed_tokens // self.bs):
+            self.saved.add(tuple(seq.token_ids[: (i + 1) * self.bs]))
+            self.saved_blocks += 1
+        if self.rng.random() < 0.5:
+            return False
+        self.saves[seq.request_id] = list(block_ids)
+        return True
+
+    def finish_some_saves(self, sched: Scheduler) -> None:
+        """Saves done: their blocks were not written while the store read them."""
+        done = [r for r in self.saves if self.rng.random() < 0.5]
+        for req_id in done:
+            for block_id in self.saves.pop(req_id):
+                assert self.sched_holds(sched, block_id), block_id
+        sched.finish_saving(done)
+
+    @staticmethod
+    def sched_holds(sched: Scheduler, block_id: int) -> bool:
+        return sched.block_manager.blocks[block_id].ref_count > 0
+
+
+def run_workload(
+    w: Workload, drafting: Drafting | None = None, store_seed: int | None = None
+) -> None:
+    # With a store, the local prefix cache is off on every other seed, so that what
+    # a store holds is loaded rather than found in the pool (a decode worker's case).
+    caching = store_seed is None or store_seed % 2 == 0
+    manager = BlockManager(w.num_blocks, w.block_size, enable_prefix_caching=caching)
+    sched = Scheduler(w.max_num_seqs, w.budget, manager, EngineStats())
+    contents = Contents(sched)
+    store = None
+    if store_seed is not None:
+        store = FakeStore(random.Random(store_seed), contents)
+        sched.kv = ConnectorHook(store, w.block_size)
     prompts = {f: [f * 1000 + i for i in range(12)] for f in range(3)}
     arrivals = sorted((r[3], i) for i, r in enumerate(w.requests))
     seqs: dict[str, Sequence] = {}
@@ -211,7 +349,7 @@ def run_workload(w: Workload, drafting: Drafting | None = None) -> None:
     chunk_ends: dict[str, tuple[int, int]] = {}  # request -> (preemptions, its last chunk's end)
     handed: dict[str, tuple[int, list[int]]] = {}  # request -> (its length then, drafts)
     step = 0
-    while arrivals or sched.has_unfinished():
+    while arrivals or sched.has_unfinished() or (store is not None and store.saves):
         while arrivals and arrivals[0][0] <= step:
             i = arrivals.pop(0)[1]
             family, length, max_tokens, _, _ = w.requests[i]
@@ -227,6 +365,7 @@ def run_workload(w: Workload, drafting: Drafting | None = None) -> None:
         assert len(out.scheduled) <= w.max_num_seqs
         check_chunks(out.scheduled, seqs, chunk_ends)
         check_drafts(out, seqs, handed)
+        contents.step(out, seqs)
         if drafting is None:
             sampled = [item.req_id for item in out.scheduled if item.samples]
             tokens = [answer(r, seqs[r].num_output_tokens) for r in sampled]
@@ -241,7 +380,9 @@ def run_workload(w: Workload, drafting: Drafting | None = None) -> None:
         if result.draft_token_ids is not None:
             for rid, drafts in zip(result.req_ids, result.draft_rows()):
                 handed[rid] = (seqs[rid].num_tokens, drafts)
-        check_blocks_after_update(sched)
+        check_blocks_after_update(sched, out)
+        if store is not None:
+            store.finish_some_saves(sched)
         check_books(sched, seqs, preempted)
         step += 1
         assert step < 500, "the workload did not drain"
@@ -274,3 +415,10 @@ def test_the_books_balance_and_every_request_ends_as_it_would_alone(w: Workload)
 @example(CROWDED, 0)
 def test_drafts_are_checked_rolled_back_and_counted(w: Workload, seed: int) -> None:
     run_workload(w, Drafting(seed))
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(workloads(), st.integers(0, 2**16))
+@example(CROWDED, 0)
+def test_a_store_loads_and_saves_what_was_computed(w: Workload, seed: int) -> None:
+    run_workload(w, Drafting(seed), store_seed=seed + 1)
