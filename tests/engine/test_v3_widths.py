@@ -4,17 +4,22 @@ v_head_dim equal to qk_nope_head_dim (128), as the published config has them
 (the other DeepSeek tests use narrower, unequal widths to keep them fast).
 Greedy tokens equal transformers' through the C++ decode operator and the torch
 backend, chunked and preempted; the quantized MLA caches give one answer alone,
-chunked, preempted and from the prefix cache."""
+chunked, preempted and from the prefix cache; and the FP8 weight layout, whose
+576-row kv_a_proj_with_mqa ends in a partial block, serves the same tokens as its
+dequantized copy does in transformers."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams, csrc
-from tests.engine.conftest import build_checkpoint, hf_greedy, random_prompts
+from engine.layers.quantization.fp8 import Fp8Linear
+from tests.engine.conftest import build_checkpoint, hf_greedy, hf_model_class, random_prompts
+from tests.engine.fp8_checkpoints import quantize_checkpoint
 
 MAX_TOKENS = 12
 V3_WIDTHS = {
@@ -78,3 +83,22 @@ def test_a_quantized_latent_cache_gives_one_answer_however_scheduled(v3, name: s
     codes = [t for c in cached.llm_engine.executor.model_runner.kv_cache._caches()
              for t in c.tensors() if t.dtype != torch.float32]  # fmt: skip
     assert codes and all(t.element_size() == 1 for t in codes)
+
+
+def test_fp8_weights_at_v3_widths(v3, tmp_path) -> None:
+    """DeepSeek-V3's FP8 layout on these widths: kv_a_proj_with_mqa has 576 rows,
+    so its last 128-row block is partial (64 rows), as in the published
+    checkpoints. Greedy tokens from the FP8 bytes equal transformers' on the same
+    weights dequantized by DeepSeek's rule, chunked, and the layer keeps a scale
+    for each of its 576 rows' five row blocks."""
+    path, _ = v3
+    shutil.copytree(path, tmp_path / "fp8")
+    quantize_checkpoint(tmp_path / "fp8", tmp_path / "reference")
+    model = hf_model_class("deepseek").from_pretrained(tmp_path / "reference", dtype=torch.float32)
+    reference = [hf_greedy(model.eval(), p, MAX_TOKENS) for p in PROMPTS]
+    llm = LLM(tmp_path / "fp8", dtype="float32", max_num_batched_tokens=24)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    layer = llm.llm_engine.executor.model_runner.model.model.layers[0].self_attn.kv_a_proj_with_mqa
+    assert isinstance(layer, Fp8Linear) and layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.out_features == 576 and layer.weight_scale_inv.shape[0] == 576
+    assert llm.llm_engine.stats.partial_prefills > 0
