@@ -165,14 +165,15 @@ def test_fp8_experts_without_expert_dtype(tmp_path) -> None:
     assert experts.act.limit == 10.0
 
 
-def test_int8_weights_on_deepseek_v4(tmp_path) -> None:
-    """Weight-only int8 (--quantization int8) on a plain V4 checkpoint: every linear
-    layer and the routed experts quantized at load but the head and wo_a (read by
-    weight a group at a time); greedy tokens equal transformers' on the same
-    weights quantized and dequantized. (wo_a quantized made project() fail.)"""
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int_weights_on_deepseek_v4(tmp_path, method: str) -> None:
+    """Weight-only int8 and int4 (--quantization) on a plain V4 checkpoint: every
+    linear layer and the routed experts quantized at load but the head and wo_a
+    (read by weight a group at a time); greedy tokens equal transformers' on the
+    same weights quantized and dequantized. (wo_a quantized made project() fail.)"""
     import transformers
 
-    from engine.layers.quantization.int_linear import IntExperts
+    from engine.layers.quantization.int_linear import IntExperts, int4_fits
     from tests.engine.test_weight_quant import dequantize as int_dequantize
     from tests.engine.test_weight_quant import quantize as int_quantize
 
@@ -180,16 +181,21 @@ def test_int8_weights_on_deepseek_v4(tmp_path) -> None:
     tensors = load_file(tmp_path / "v4" / "model.safetensors")
     kept = ("head.weight", "embed_tokens.weight", ".wo_a.weight", ".gate.weight")
     for name, w in tensors.items():
-        if name.endswith(".weight") and w.dim() == 2 and not name.endswith(kept):
-            tensors[name] = int_dequantize("int8", *int_quantize("int8", w))
+        if not (name.endswith(".weight") and w.dim() == 2) or name.endswith(kept):
+            continue
+        if method == "int8" or int4_fits(*w.shape):  # int4 leaves misfits as they are
+            tensors[name] = int_dequantize(method, *int_quantize(method, w))
     reference = edited(tmp_path / "v4", tmp_path / "reference", lambda t: t.update(tensors))
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(reference, dtype=torch.float32)
-    tokens, llm = generate(tmp_path / "v4", quantization="int8", block_size=8)
+    tokens, llm = generate(tmp_path / "v4", quantization=method, block_size=8)
     assert tokens == [hf_greedy(hf.eval(), p, MAX_TOKENS) for p in PROMPTS]
     model = llm.llm_engine.executor.model_runner.model
     assert type(model.layers[0].attn.wo_a) is torch.nn.Linear
     assert type(model.head) is torch.nn.Linear
-    assert type(model.layers[0].attn.wq_a) is not torch.nn.Linear
+    assert type(model.layers[0].attn.wo_b) is not torch.nn.Linear
+    # int4 needs rows in sixteens: wq_a's 24 rows stay as they are (int4_fits)
+    wq_a = model.layers[0].attn.wq_a
+    assert (type(wq_a) is torch.nn.Linear) == (method == "int4")
     assert all(isinstance(e, IntExperts) for e in model.experts())
 
 
