@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.layers.quantization.int_linear import IntExperts
 from engine.layers.quantization.int_weight import (
     int4_dequantize,
@@ -28,9 +29,11 @@ from engine.layers.quantization.int_weight import (
     int8_linear,
     int8_quantize,
 )
+from tests.conftest import ROOT
 from tests.engine.conftest import build_checkpoint, hf_greedy, hf_model_class, random_prompts
 
 LEVELS = {"int8": 127, "int4": 7}
+TINY = ROOT / "snippets" / "models" / "deepinfer-tiny"
 
 
 def quantize(method: str, w: torch.Tensor, dtype=torch.float32):
@@ -147,6 +150,18 @@ def test_bad_quantization_is_refused_by_name(tmp_path) -> None:
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="'int8' is refused: its checkpoint is already FP8"):
         LLM(tmp_path / "model", quantization="int8")
+
+
+@pytest.mark.parametrize("method", LEVELS)
+def test_what_quantized_weights_cannot_run_with_is_refused_by_name(tmp_path, method) -> None:
+    """Expert parallelism moves and re-places experts as plain tensors, and
+    batch-invariant mode's fixed-order matmuls have no int8 or int4 kernel: both
+    are refused up front, naming the setting, not met at the first step."""
+    build_checkpoint("deepseek-yarn", tmp_path / "moe")
+    with pytest.raises(ValueError, match=f"'{method}' is refused: expert_parallel_size > 1"):
+        EngineConfig(str(tmp_path / "moe"), quantization=method, expert_parallel_size=2)
+    with pytest.raises(ValueError, match=f"'{method}' is refused: batch_invariant=True"):
+        EngineConfig(str(TINY), dtype="float32", quantization=method, batch_invariant=True)
 
 
 def test_the_command_line_passes_quantization_on(tmp_path) -> None:
