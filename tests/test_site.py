@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -66,31 +67,70 @@ def browser():
         browser.close()
 
 
+def new_page(browser, contexts: list, width: int = 1280, scheme: str = "light"):
+    """A fresh page, in a context added to ``contexts`` (for the caller to close),
+    that counts console errors and off-machine requests."""
+    context = browser.new_context(viewport={"width": width, "height": 900}, color_scheme=scheme)
+    contexts.append(context)
+    page = context.new_page()
+    page.errors = []  # console errors and uncaught exceptions
+    page.offsite = []  # requests that tried to leave the machine
+    page.on("console", lambda m: m.type == "error" and page.errors.append(m.text))
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+
+    def route(r):
+        if urlparse(r.request.url).hostname in ("127.0.0.1", None):
+            return r.continue_()
+        page.offsite.append(r.request.url)
+        return r.abort()
+
+    page.route("**/*", route)
+    page.add_init_script(OPEN_SHADOWS)
+    return page
+
+
 @pytest.fixture
 def open_page(browser):
     """open_page(width, scheme) -> a fresh page that counts errors and off-machine requests."""
     contexts = []
+    yield lambda width=1280, scheme="light": new_page(browser, contexts, width, scheme)
+    for context in contexts:
+        context.close()
 
-    def make(width: int = 1280, scheme: str = "light"):
-        context = browser.new_context(viewport={"width": width, "height": 900}, color_scheme=scheme)
-        contexts.append(context)
-        page = context.new_page()
-        page.errors = []  # console errors and uncaught exceptions
-        page.offsite = []  # requests that tried to leave the machine
-        page.on("console", lambda m: m.type == "error" and page.errors.append(m.text))
-        page.on("pageerror", lambda e: page.errors.append(str(e)))
 
-        def route(r):
-            if urlparse(r.request.url).hostname in ("127.0.0.1", None):
-                return r.continue_()
-            page.offsite.append(r.request.url)
-            return r.abort()
+@dataclass
+class Tour:
+    """The pages as loaded at one width, and what the tests measure on each."""
 
-        page.route("**/*", route)
-        page.add_init_script(OPEN_SHADOWS)
-        return page
+    pages: dict[str, dict]  # url -> {"diagrams": ..., "code": ..., "split": ..., "boxes": ...}
+    errors: list[str]  # as a page's: console errors, and requests that left the machine
+    offsite: list[str]
 
-    yield make
+
+@pytest.fixture(scope="module")
+def tour(browser, site):
+    """tour(width) -> every page of the nav, loaded once at that width in one page
+    (light), with each page's diagram text sizes, code blocks' fit and split
+    operators, and the figure boxes' text sizes of READ_FIRST's, measured as it is
+    shown. The tests that look at pages at one width share one tour, instead of
+    each loading the pages and drawing their diagrams again."""
+    measures = {"diagrams": DIAGRAM_TEXT, "code": CODE_FIT, "split": SPLIT_TOKENS}
+    first = {site.url + path for path in READ_FIRST.values()}  # their boxes measured too
+    contexts, tours = [], {}
+
+    def at(width: int) -> Tour:
+        if width not in tours:
+            page = new_page(browser, contexts, width)
+            found = {}
+            for url in sorted({*nav_pages(page, site), *first}):
+                load(page, url)
+                found[url] = {name: page.evaluate(js) for name, js in measures.items()}
+                if url in first:
+                    found[url]["boxes"] = page.evaluate(ADMONITION_TEXT)
+            tours[width] = Tour(found, page.errors, page.offsite)
+        return tours[width]
+
+    yield at
     for context in contexts:
         context.close()
 
@@ -194,13 +234,12 @@ CODE_FIT = """() => [...document.querySelectorAll('.md-content pre > code')]
   })"""
 
 
-def test_code_is_whole_on_a_desktop(open_page, site) -> None:
+def test_code_is_whole_on_a_desktop(tour, site) -> None:
     """At 1400 px no excerpt scrolls sideways, and the copy button covers no code."""
-    page = open_page(DESKTOP)
+    shown = tour(DESKTOP)
     problems = []
     for name, path in READ_FIRST.items():
-        load(page, site.url + path)
-        for block in page.evaluate(CODE_FIT):
+        for block in shown.pages[site.url + path]["code"]:
             if block["scrolls"]:
                 problems.append(
                     f"{name}: {block['title']} scrolls sideways (longest line "
@@ -209,7 +248,7 @@ def test_code_is_whole_on_a_desktop(open_page, site) -> None:
             if block["covered"]:
                 problems.append(f"{name}: the copy button covers code in {block['title']}")
     assert not problems, "\n".join(problems)
-    assert_clean(page)
+    assert_clean(shown)
 
 
 # Rendered size of every text element in every diagram: its font size times the
@@ -238,19 +277,18 @@ def nav_pages(page, site) -> list[str]:
 
 
 @pytest.mark.parametrize("width", [PHONE, DESKTOP])
-def test_diagram_text_is_readable(open_page, site, width: int) -> None:
-    page = open_page(width)
+def test_diagram_text_is_readable(tour, site, width: int) -> None:
+    shown = tour(width)
     found, small = [], []
-    for url in nav_pages(page, site):
-        load(page, url)
-        for d in page.evaluate(DIAGRAM_TEXT):
+    for url, measured in shown.pages.items():
+        for d in measured["diagrams"]:
             found.append(f"{url.removeprefix(site.url) or '/'} {d['figure']} {d['min']:.1f} px")
             if d["min"] < MIN_DIAGRAM_PX:
                 small.append(f"{found[-1]} ({d['text']!r})")
     record(f"diagram text at {width} px", found)
     assert len(found) >= 5, f"expected the book's diagrams, found {found}"
     assert not small, f"diagram text under {MIN_DIAGRAM_PX} px at {width} px:\n" + "\n".join(small)
-    assert_clean(page)
+    assert_clean(shown)
 
 
 # Each plot's smallest text as drawn: font size in SVG units times the image's scale.
@@ -298,16 +336,15 @@ ADMONITION_TEXT = f"""() => {{
 
 
 @pytest.mark.parametrize("width", [PHONE, DESKTOP])
-def test_figure_boxes_are_not_smaller_than_body_text(open_page, site, width: int) -> None:
-    page = open_page(width)
+def test_figure_boxes_are_not_smaller_than_body_text(tour, site, width: int) -> None:
+    shown = tour(width)
     for name, path in READ_FIRST.items():
-        load(page, site.url + path)
-        found = page.evaluate(ADMONITION_TEXT)
+        found = shown.pages[site.url + path]["boxes"]
         small = [p for p in found["prose"] if p["size"] < found["body"]]
         assert not small, f"{name} at {width} px: text under body size {found['body']}: {small}"
         if found["mono"]:
             assert min(found["mono"]) >= MIN_OUTPUT_MONO_PX, (name, width, found["mono"])
-    assert_clean(page)
+    assert_clean(shown)
 
 
 # How many monospace characters an output block shows, without scrolling, at this width.
@@ -372,20 +409,20 @@ SPLIT_TOKENS = """() => [...document.querySelectorAll('.highlight code .o')]
   .map(o => o.textContent)"""
 
 
-def test_code_and_the_experiments_fit_a_phone(open_page, site) -> None:
+def test_code_and_the_experiments_fit_a_phone(open_page, tour, site) -> None:
     """On a phone an excerpt's lines wrap instead of scrolling sideways, each
     wrapped line going on right of its own indentation; the experiments table,
     Appendix B's tables and the book's figures fit the screen."""
-    page = open_page(PHONE)
+    shown = tour(PHONE)
     problems = []
-    for url in nav_pages(page, site):  # every page's excerpts and listings
-        load(page, url)
+    for url, measured in shown.pages.items():  # every page's excerpts and listings
         where = url.removeprefix(site.url) or "/"
-        for block in page.evaluate(CODE_FIT):
+        for block in measured["code"]:
             if block["scrolls"]:
                 problems.append(f"{where}: {block['title']} scrolls sideways on a phone")
-        for token in page.evaluate(SPLIT_TOKENS):
+        for token in measured["split"]:
             problems.append(f"{where}: the operator {token!r} is split across two lines")
+    page = open_page(PHONE)
     load(page, site.url + READ_FIRST["ch01"])
     lines = page.evaluate(HANGING)
     assert len(lines) > 20, "expected Chapter 1's indented code lines"
@@ -405,6 +442,7 @@ def test_code_and_the_experiments_fit_a_phone(open_page, site) -> None:
                 problems.append(f"{url}: {selector} is wider than a {PHONE}-px screen: {box}")
     assert not problems, "\n".join(problems)
     assert_clean(page)
+    assert_clean(shown)
 
 
 RUN_AND_RECORDED_FONT = """() => {
