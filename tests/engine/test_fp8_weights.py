@@ -274,3 +274,36 @@ def test_expert_parallel_and_a_new_placement_read_fp8_experts(fp8) -> None:
         assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == reference
     finally:
         llm.shutdown()
+
+
+# Widths at which every FP8 matrix is whole 128 x 128 blocks, or one block: where
+# transformers' own FP8 loader, which derives the block from the scale grid, reads
+# DeepSeek's layout as DeepSeek does.
+WHOLE_BLOCKS = {
+    "qwen3": {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32},
+    "deepseek": {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
+                 "q_lora_rank": 128, "kv_lora_rank": 64, "qk_rope_head_dim": 64,
+                 "qk_nope_head_dim": 64, "v_head_dim": 64, "qk_head_dim": 128, "head_dim": 64,
+                 "num_attention_heads": 2},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", WHOLE_BLOCKS)
+def test_transformers_own_fp8_loader_agrees(arch, tmp_path) -> None:
+    """A cross-check of the oracle: transformers' FineGrainedFP8 loader (which on a
+    CPU dequantizes at load, and needs accelerate) reads the FP8 checkpoint into
+    the same logits as our dequantized copy, and the engine's greedy tokens from
+    the FP8 bytes equal its."""
+    from tests.engine.conftest import build_checkpoint, hf_model_class
+    from tests.engine.fp8_checkpoints import quantize_checkpoint
+
+    build_checkpoint(arch, tmp_path / "fp8", seed=1, config_overrides=WHOLE_BLOCKS[arch])
+    quantize_checkpoint(tmp_path / "fp8", tmp_path / "reference")
+    theirs = hf_model_class(arch).from_pretrained(tmp_path / "fp8", dtype=torch.float32).eval()
+    ours = hf_model_class(arch).from_pretrained(tmp_path / "reference", dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours.eval()(ids).logits)
+    tokens, _ = generate(tmp_path / "fp8")
+    assert tokens == [hf_greedy(theirs, p, MAX_TOKENS) for p in PROMPTS]
