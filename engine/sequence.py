@@ -64,8 +64,8 @@ class Sequence(RequestTokens):
         self.token_ids = list(token_ids)  # prompt, then every generated token
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0  # tokens whose K and V are in the cache
-        # A block table per KV-cache group (config/cache_groups.py); the token group's
-        # first, and the others made by the block manager that keeps them.
+        # A block table per KV-cache group (config/cache_groups.py): block_tables[0] is
+        # the token group's; the block manager adds any others.
         self.block_tables: list[list[int]] = [[]]
         self.block_hashes: list[bytes] = []  # hash chain of the full, computed blocks
         # With a kv_window: the tokens computed before it first gave a block back,

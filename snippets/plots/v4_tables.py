@@ -7,7 +7,8 @@ demo's size. No model runs: the engine's own block manager (KVCacheCoordinator)
 is driven through the first CONTEXT tokens of a prompt as the scheduler drives
 it, chunk by chunk (allocate, publish, then the window's give-back before the
 next chunk), and the tables it leaves are drawn as they are, physical block ids
-included. The worked row_slots is the newest CSA row's, computed here.
+included. The worked row_slots is the newest CSA row's, computed here: the slot is
+that row's place in each CSA layer's row cache.
 """
 
 import json
@@ -56,32 +57,41 @@ def main(out: str) -> None:
     token_table, row_table = seq.block_tables[TOKEN_GROUP], seq.block_tables[ROW_GROUP]
     holes, bs = token_table.count(HOLE), sizes["block"]
     held = token_table[holes:]
-    fig, ax = plt.subplots(figsize=(WIDTH_IN, 4.2))
+    in_window = sizes["window"] // bs  # the rest of the held blocks hold the newest chunk
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 5.2))
     # The token group: one grey bar for the entries given back, a cell per held one.
-    ax.text(0, 6.3, f"block_tables[{TOKEN_GROUP}]: {len(token_table)} token blocks")
-    cell(ax, 0, 5.3, 2.6, GIVEN, f"{holes} HOLEs")
+    ax.text(0, 9.3, f"block_tables[{TOKEN_GROUP}]: {len(token_table)} entries of {bs} tokens")
+    cell(ax, 0, 8.3, 2.6, GIVEN, f"{holes} HOLEs")
     width = 7.4 / len(held)
     for i, block_id in enumerate(held):
-        cell(ax, 2.6 + i * width, 5.3, width, TOKEN, str(block_id))
-    ax.text(0, 4.75, f"tokens below {holes * bs}", va="center")
-    ax.text(10, 4.75, f"tokens {holes * bs} to {CONTEXT - 1}", ha="right", va="center")
+        cell(ax, 2.6 + i * width, 8.3, width, TOKEN, str(block_id))
+    ax.text(2.6 + in_window * width / 2, 7.8, "window", ha="center", va="center")
+    ax.text(10 - (len(held) - in_window) * width / 2, 7.8, "chunk", ha="center", va="center")
+    ax.text(0, 7.2, f"tokens below {holes * bs}", va="center")
+    ax.text(10, 7.2, f"tokens {holes * bs} to {CONTEXT - 1}", ha="right", va="center")
     # The span group: a cell per row span, the last one filling still.
     span, m = sizes["span"], sizes["csa_rate"]
-    ax.text(0, 3.7, f"block_tables[{ROW_GROUP}]: a row block per {span} tokens")
+    ax.text(0, 6.1, f"block_tables[{ROW_GROUP}]: a row block per {span} tokens")
     for j, block_id in enumerate(row_table):
-        cell(ax, j * 10 / 3, 2.7, 10 / 3, ROW, str(block_id))
+        cell(ax, j * 10 / 3, 5.1, 10 / 3, ROW, str(block_id))
         last = min(CONTEXT, (j + 1) * span) - 1
-        ax.text(j * 10 / 3 + 5 / 3, 2.15, f"{j * span} to {last}", ha="center", va="center")
+        ax.text(j * 10 / 3 + 5 / 3, 4.55, f"{j * span} to {last}", ha="center", va="center")
     # The worked row_slots: the newest CSA row.
     w, per_block = CONTEXT // m - 1, span // m
-    block, entry = row_table[w // per_block], w % per_block
-    ax.text(0, 1.2, f"newest CSA row w = {w}, {per_block} rows a block:")
-    ax.text(0, 0.5, f"entry {w} // {per_block} = {w // per_block}: block {block}")
-    ax.text(
-        0, -0.2, f"slot {block} × {per_block} + {w} % {per_block} = {block * per_block + entry}"
-    )
+    index, offset = w // per_block, w % per_block
+    block = row_table[index]
+    lines = [
+        f"After {CONTEXT} tokens, CSA (m = {m}) has closed",
+        f"{CONTEXT // m} rows: the newest is row w = {w}.",
+        f"A row block holds {span} / {m} = {per_block} rows.",
+        f"Table index {w} // {per_block} = {index}: block {block}.",
+        f"Offset {w} % {per_block} = {offset}: slot {block} × {per_block} + {offset} = "
+        f"{block * per_block + offset}",
+    ]
+    for k, line in enumerate(lines):
+        ax.text(0, 3.5 - 0.75 * k, line)
     ax.set_xlim(0, 10)
-    ax.set_ylim(-0.4, 6.7)
+    ax.set_ylim(-0.2, 9.7)
     ax.axis("off")
     fig.tight_layout()
     save_svg(fig, out)
