@@ -102,7 +102,7 @@ def open_page(browser):
 class Tour:
     """The pages as loaded at one width, and what the tests measure on each."""
 
-    pages: dict[str, dict]  # url -> {"diagrams": ..., "code": ..., "split": ..., "boxes": ...}
+    pages: dict[str, dict]  # url -> {"diagrams": ..., "code": ..., "boxes": ..., ...}
     errors: list[str]  # as a page's: console errors, and requests that left the machine
     offsite: list[str]
 
@@ -111,8 +111,8 @@ class Tour:
 def tour(browser, site):
     """tour(width) -> every page of the nav, loaded once at that width in one page
     (light), with each page's diagram text sizes, code blocks' fit and split
-    operators, and the figure boxes' text sizes of READ_FIRST's, measured as it is
-    shown. The tests that look at pages at one width share one tour, instead of
+    operators, and the figure boxes' and plots' text sizes of READ_FIRST's, measured
+    as it is shown. The tests that look at pages at one width share one tour, instead of
     each loading the pages and drawing their diagrams again."""
     measures = {"diagrams": DIAGRAM_TEXT, "code": CODE_FIT, "split": SPLIT_TOKENS}
     first = {site.url + path for path in READ_FIRST.values()}  # their boxes measured too
@@ -127,6 +127,7 @@ def tour(browser, site):
                 found[url] = {name: page.evaluate(js) for name, js in measures.items()}
                 if url in first:
                     found[url]["boxes"] = page.evaluate(ADMONITION_TEXT)
+                    found[url]["plots"] = page.evaluate(PLOT_TEXT)
             tours[width] = Tour(found, page.errors, page.offsite)
         return tours[width]
 
@@ -305,12 +306,15 @@ PLOT_TEXT = """async () => Promise.all([...document.querySelectorAll('img.plot')
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
-def test_plots_are_readable_on_a_phone_and_follow_the_scheme(open_page, site, scheme) -> None:
-    page = open_page(PHONE, scheme)
-    plots = []
-    for path in READ_FIRST.values():
-        load(page, site.url + path)
-        plots += page.evaluate(PLOT_TEXT)
+def test_plots_are_readable_on_a_phone_and_follow_the_scheme(open_page, tour, site, scheme) -> None:
+    if scheme == "light":  # as the phone tour shows them
+        shown = tour(PHONE)
+        plots = [p for path in READ_FIRST.values() for p in shown.pages[site.url + path]["plots"]]
+    else:
+        shown, plots = open_page(PHONE, scheme), []
+        for path in READ_FIRST.values():
+            load(shown, site.url + path)
+            plots += shown.evaluate(PLOT_TEXT)
     assert len(plots) >= 2
     record(f"plot text at {PHONE} px", [f"{p['src']} {p['min']:.1f} px" for p in plots])
     for plot in plots:
@@ -318,7 +322,7 @@ def test_plots_are_readable_on_a_phone_and_follow_the_scheme(open_page, site, sc
         assert not plot["panel"], f"{plot['src']} paints a white panel behind itself"
         inverted = "invert" in plot["filter"]
         assert inverted == (scheme == "dark"), f"{plot['src']} in the {scheme} scheme: {plot}"
-    assert_clean(page)
+    assert_clean(shown)
 
 
 FIGURE_BOXES = "claim-code, claim-deepseek, claim-model, claim-built, predict, output, success"
