@@ -29,6 +29,10 @@ A model of what every block holds, written by steps and loads, checks that each
 step reads its own prefix in every slot before its new tokens, that a save reads
 blocks holding what they were computed from and still held, and that the books
 count blocks held by loads and saves.
+
+Under a sliding window with sinks (the fourth test), every slot a step reads,
+its sinks and its window, is still held and holds its prefix, and the books
+balance with the window's holes.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from engine.outputs import EngineCoreEvent, EngineCoreEventType, ModelRunnerOutp
 from engine.sampling_params import SamplingParams
 from engine.sched.connector_hook import ConnectorHook
 from engine.sched.scheduler import Scheduler
-from engine.scheduler_output import ScheduledRequest
+from engine.scheduler_output import HOLE, ScheduledRequest
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats
 from engine.utils import cdiv
@@ -97,7 +101,7 @@ def check_books(sched: Scheduler, seqs: dict[str, Sequence], preempted: dict[str
     # whose blocks a store still saves (the connector's hook).
     loading = [seq for seq, _ in sched.kv.loading.values()]
     holders = running + loading + list(sched.kv.saving.values())
-    held = {b for s in holders for b in s.block_table}
+    held = {b for s in holders for b in s.block_table if b != HOLE}  # a window's holes
     # A load keeps its request waiting, or finished (aborted) until the load is done.
     assert all(
         s.status in (SequenceStatus.WAITING_FOR_KV, SequenceStatus.FINISHED) for s in loading
@@ -228,6 +232,7 @@ class Contents:
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched, self.bs = sched, sched.block_manager.block_size
+        self.window = sched.kv_window  # (sinks, window), or None: every token is read
         self.written: dict[int, tuple[int, ...]] = {}
 
     def write(self, seq: Sequence, block_id: int, end: int) -> None:
@@ -236,16 +241,24 @@ class Contents:
         self.written[block_id] = tuple(seq.token_ids[:end])
 
     def holds_prefix(self, seq: Sequence, num_tokens: int) -> None:
-        """The slots of ``seq``'s first ``num_tokens`` tokens hold that prefix: a
-        slot's content depends on the tokens up to it, and a block's slots are
-        written in order, so its last write must extend the prefix read."""
-        for i in range(cdiv(num_tokens, self.bs)):
-            end = min(num_tokens, (i + 1) * self.bs)
-            last = self.written.get(seq.block_table[i], ())
-            assert len(last) >= end and last[:end] == tuple(seq.token_ids[:end]), (
+        """The slots attention reads of ``seq``'s first ``num_tokens`` tokens hold
+        that prefix: a slot's content depends on the tokens up to it, and a block's
+        slots are written in order, so its last write must extend the prefix read.
+        Under a kv_window it reads the sinks and the window before the new tokens."""
+        for p in self.read(num_tokens):
+            block_id = seq.block_table[p // self.bs]
+            last = self.written.get(block_id, ()) if block_id != HOLE else ()
+            assert len(last) > p and last[: p + 1] == tuple(seq.token_ids[: p + 1]), (
                 seq.request_id,
-                i,
+                p,
             )
+
+    def read(self, num_tokens: int) -> list[int]:
+        if self.window is None:
+            return list(range(num_tokens))
+        sinks, window = self.window
+        ahead = range(min(sinks, num_tokens))
+        return sorted({*ahead, *range(max(0, num_tokens - window), num_tokens)})
 
     def step(self, out, seqs: dict[str, Sequence]) -> None:
         """Every scheduled request writes its new tokens' slots (drafts included:
@@ -330,13 +343,16 @@ class FakeStore:
 
 
 def run_workload(
-    w: Workload, drafting: Drafting | None = None, store_seed: int | None = None
+    w: Workload,
+    drafting: Drafting | None = None,
+    store_seed: int | None = None,
+    kv_window: tuple[int, int] | None = None,
 ) -> None:
     # With a store, the local prefix cache is off on every other seed, so that what
     # a store holds is loaded rather than found in the pool (a decode worker's case).
     caching = store_seed is None or store_seed % 2 == 0
     manager = BlockManager(w.num_blocks, w.block_size, enable_prefix_caching=caching)
-    sched = Scheduler(w.max_num_seqs, w.budget, manager, EngineStats())
+    sched = Scheduler(w.max_num_seqs, w.budget, manager, EngineStats(), kv_window=kv_window)
     contents = Contents(sched)
     store = None
     if store_seed is not None:
@@ -422,3 +438,15 @@ def test_drafts_are_checked_rolled_back_and_counted(w: Workload, seed: int) -> N
 @example(CROWDED, 0)
 def test_a_store_loads_and_saves_what_was_computed(w: Workload, seed: int) -> None:
     run_workload(w, Drafting(seed), store_seed=seed + 1)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(workloads(), st.integers(0, 4), st.integers(1, 8))
+@example(CROWDED, 2, 2)
+def test_a_window_gives_back_only_blocks_no_step_reads(
+    w: Workload, sinks: int, window: int
+) -> None:
+    """Under a kv_window the scheduler gives back the blocks between the sinks and
+    the window as requests run; every slot a step reads is still held and holds
+    its prefix, and the books balance with the holes."""
+    run_workload(w, kv_window=(sinks, window))
