@@ -60,7 +60,7 @@ class Compressor(nn.Module):
         rows: torch.Tensor,
     ) -> None:
         """Cache this step's tokens' projections, then write the row of every unit
-        whose last token is among them (compressed_cache.row_slots)."""
+        whose last token is among them, at the slots row_slots gives."""
         write(state, meta.slot_mapping, torch.cat([self.wkv(x), self.wgate(x)], dim=-1))
         m, block_size = self.rate, state.shape[1]
         for span in spans:
