@@ -75,3 +75,8 @@ def test_a_selection_reads_its_rows_and_minus_one_reads_the_first() -> None:
     assert got.shape == (2, 3, 3)
     slots = [[4, 1, 4], [3, 6, 7]]  # block * 2 + position % 2 through each row's table
     assert got[..., 0].tolist() == [[3.0 * s for s in row] for row in slots]
+
+
+def test_both_tensors_go_on_the_device_asked_for() -> None:
+    cache = SPEC.allocate(num_blocks=2, block_size=4, device=torch.device("meta"))
+    assert cache.rows.device.type == "meta" and cache.index_keys.device.type == "meta"

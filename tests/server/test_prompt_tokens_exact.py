@@ -146,3 +146,31 @@ def test_text_up_to_inline_bytes_is_tokenized_in_the_loop_and_longer_in_a_thread
 def test_the_pool_has_the_threads_asked_for() -> None:
     assert PromptTokenizer(TOKENIZER, 8).pool._max_workers == 2
     assert PromptTokenizer(TOKENIZER, 8, threads=3).pool._max_workers == 3
+
+
+def test_a_refusal_names_the_prompt_by_default() -> None:
+    with pytest.raises(OpenAIError) as err:
+        asyncio.run(PromptTokenizer(None, 8).encode("hi"))
+    assert err.value.param == "prompt"
+
+
+def test_closing_cancels_what_waits_and_does_not_wait_for_what_runs() -> None:
+    prompts = PromptTokenizer(TOKENIZER, 8, threads=1)
+    release = threading.Event()
+    running = prompts.pool.submit(release.wait, 30)
+    waiting = prompts.pool.submit(int, "1")
+    closer = threading.Thread(target=prompts.close)
+    closer.start()
+    closer.join(5)
+    try:
+        assert not closer.is_alive()  # it did not wait for the running one
+        assert waiting.cancelled() and not running.done()
+    finally:
+        release.set()
+    assert running.result(5) is True
+
+
+def test_an_added_token_longer_than_the_vocabularys_sets_the_bound() -> None:
+    tok = Tokenizer.from_str(TOKENIZER.to_str())
+    tok.add_special_tokens(["<|" + "x" * 96 + "|>"])  # 100 bytes, more than any other
+    assert bytes_per_token(tok) == 100
