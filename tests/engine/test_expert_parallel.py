@@ -168,6 +168,8 @@ def test_ctrl_c_stops_the_engine_and_its_workers(deepseek) -> None:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # As a shell starts it: Ctrl-C's default action, whatever this process was left with.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]

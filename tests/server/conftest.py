@@ -210,3 +210,14 @@ def in_thread(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+@pytest.fixture(autouse=True)
+def sigint_handler_restored() -> Iterator[None]:
+    """run_core ignores Ctrl-C, as its own process should, and some tests run it in
+    this one: the handler comes back after each test. Otherwise every process a
+    later test starts inherits Ctrl-C ignored (test_expert_parallel's Ctrl-C test
+    then waited on an engine that never saw it)."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, before)
