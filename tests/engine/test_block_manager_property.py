@@ -118,7 +118,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def preempt(self, s: Sequence) -> None:
         self.running.remove(s)
         self.bm.free(s)
-        assert s.block_table == [] and s.num_computed_tokens == 0
+        assert s.block_tables == [[]] and s.num_computed_tokens == 0  # every table emptied
         self.waiting.append(s)
 
     # ------------------------------------------------------------ rules

@@ -101,12 +101,6 @@ class GroupedBlocksMachine(BlockManagerMachine):
         self.running.sort(key=lambda q: q.seq_id)
         return True
 
-    def preempt(self, s: Sequence) -> None:
-        self.running.remove(s)
-        self.bm.free(s)
-        assert s.block_tables == [[]] and s.num_computed_tokens == 0
-        self.waiting.append(s)
-
     def make_room(self, s: Sequence, tokens: int) -> bool:
         """Allocate for ``tokens``, preempting the newest while it does not fit;
         False if ``s`` itself was preempted."""
