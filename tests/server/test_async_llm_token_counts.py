@@ -12,18 +12,12 @@ import asyncio
 from engine.config import EngineConfig
 from engine.entrypoints.async_llm import AsyncLLM
 from engine.entrypoints.metrics import ServerMetrics
-from engine.sampling_params import SamplingParams
 from tests.server.conftest import TINY
-
-MODEL = "tiny"
+from tests.server.test_async_llm_counts import MODEL, params
 
 
 def sample(metrics: ServerMetrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(f"deepinfer:{name}", {"model_name": MODEL, **labels})
-
-
-def params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 async def scenario() -> tuple[ServerMetrics, list[str]]:

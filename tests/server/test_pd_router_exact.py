@@ -42,10 +42,15 @@ from tests.server.test_pd_router_in_process import (
     streaming,
     unreachable,
 )
-from tests.server.test_router_exact import model  # noqa: F401  (a fixture)
+from tests.server.test_router_exact import (
+    TwoAtOnce,
+    model,  # noqa: F401  (a fixture)
+    served,
+)
 
 LOGGER = "deepinfer.router"
 WHOLE = answer(200, {"id": "d", "choices": [{"text": "BCD"}]})
+SSE = "text/event-stream"
 
 
 async def get(app, path: str, method: str = "GET") -> httpx.Response:
@@ -406,16 +411,7 @@ def test_a_worker_with_no_namespace_or_an_answer_not_json_at_start() -> None:
 
 
 def test_run_pd_router_serves_the_app(monkeypatch) -> None:
-    got: dict = {}
-
-    def serve(app, **kw) -> None:
-        got.update(kw, app=app)
-
-    import uvicorn
-
-    configured: list[str] = []
-    monkeypatch.setattr(uvicorn, "run", serve)
-    monkeypatch.setattr(pd_module.logs, "configure", configured.append)
+    got, configured = served(monkeypatch, pd_module)
     run_pd_router(PDRouterConfig([P1], [D1], block_size=8), "127.0.0.9", 8124, "debug")
     assert configured == ["debug"]
     assert (got["host"], got["port"], got["log_level"]) == ("127.0.0.9", 8124, "debug")
@@ -423,41 +419,21 @@ def test_run_pd_router_serves_the_app(monkeypatch) -> None:
 
 
 def test_run_pd_router_logs_at_info_by_default(monkeypatch) -> None:
-    import uvicorn
-
-    got: dict = {}
-    configured: list[str] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.update(kw))
-    monkeypatch.setattr(pd_module.logs, "configure", configured.append)
+    got, configured = served(monkeypatch, pd_module)
     run_pd_router(PDRouterConfig([P1], [D1]), "127.0.0.9", 8124)
     assert configured == ["info"] and got["log_level"] == "info"  # uvicorn's spelling
 
 
 def test_two_plain_streams_on_one_decode_worker_are_both_in_flight() -> None:
-    during: list[int] = []
-    both = asyncio.Event()
-    started = 0
-
-    async def body():
-        nonlocal started
-        started += 1
-        if started == 2:
-            both.set()
-        await both.wait()
-        during.append(router.decode[0].in_flight)
-        yield event([6], "B")
-
-    async def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
-
-    app, router, _ = pd_app({P1: WHOLE, D1: answer})
+    worker = TwoAtOnce(lambda: router.decode[0].in_flight, event([6], "B"), SSE)
+    app, router, _ = pd_app({P1: WHOLE, D1: worker})
 
     async def run() -> None:
         two = BODY | {"n": 2}
         await asyncio.wait_for(asyncio.gather(post(app, two), post(app, two)), 30)
 
     asyncio.run(run())
-    assert during == [2, 2] and router.decode[0].in_flight == 0
+    assert worker.during == [2, 2] and router.decode[0].in_flight == 0
 
 
 def test_a_plain_stream_gone_quiet_is_cut_after_the_idle_timeout(caplog) -> None:
@@ -505,29 +481,15 @@ def test_the_stream_that_no_worker_can_finish_is_a_503_event() -> None:
 
 
 def test_two_handoff_streams_on_one_decode_worker_are_both_in_flight() -> None:
-    during: list[int] = []
-    both = asyncio.Event()
-    started = 0
-
-    async def body():
-        nonlocal started
-        started += 1
-        if started == 2:
-            both.set()
-        await both.wait()
-        during.append(router.decode[0].in_flight)
-        yield event([6], "B") + b"data: [DONE]\n\n"
-
-    async def answer_stream(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
-
-    app, router, _ = pd_app({P1: answer(200, PREFILLED), D1: answer_stream})
+    chunk = event([6], "B") + b"data: [DONE]\n\n"
+    worker = TwoAtOnce(lambda: router.decode[0].in_flight, chunk, SSE)
+    app, router, _ = pd_app({P1: answer(200, PREFILLED), D1: worker})
 
     async def run() -> None:
         await asyncio.wait_for(asyncio.gather(post(app, BODY), post(app, BODY)), 30)
 
     asyncio.run(run())
-    assert during == [2, 2] and router.decode[0].in_flight == 0
+    assert worker.during == [2, 2] and router.decode[0].in_flight == 0
 
 
 def test_a_handoff_stream_gone_quiet_resumes_on_another_worker(caplog) -> None:

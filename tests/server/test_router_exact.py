@@ -10,7 +10,9 @@ import asyncio
 import json
 import logging
 import shutil
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import pytest
@@ -335,17 +337,20 @@ def test_a_probe_that_cannot_connect_marks_its_worker_down() -> None:
     assert not router.workers[0].healthy and router.down[A].is_set()
 
 
-def test_run_router_serves_the_app_with_the_head_timeout(monkeypatch) -> None:
-    got: dict = {}
-
-    def serve(app, **kw) -> None:
-        got.update(kw, app=app)
-
+def served(monkeypatch, module: ModuleType) -> tuple[dict, list[str]]:
+    """What a module's run_* hands uvicorn.run (its keywords, and the app as "app"),
+    and the levels it configures logging at, caught instead of serving."""
     import uvicorn
 
+    got: dict = {}
     configured: list[str] = []
-    monkeypatch.setattr(uvicorn, "run", serve)
-    monkeypatch.setattr(router_module.logs, "configure", configured.append)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.update(kw, app=app))
+    monkeypatch.setattr(module.logs, "configure", configured.append)
+    return got, configured
+
+
+def test_run_router_serves_the_app_with_the_head_timeout(monkeypatch) -> None:
+    got, configured = served(monkeypatch, router_module)
     run_router(
         RouterConfig([A], policy="round-robin", head_timeout=7.0), "127.0.0.9", 8123, "debug"
     )
@@ -436,40 +441,42 @@ def test_the_router_keys_a_prompt_by_its_leading_blocks(model: Path) -> None:
 
 
 def test_run_router_logs_at_info_by_default(monkeypatch) -> None:
-    got: dict = {}
-    import uvicorn
-
-    configured: list[str] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.update(kw))
-    monkeypatch.setattr(router_module.logs, "configure", configured.append)
+    got, configured = served(monkeypatch, router_module)
     run_router(RouterConfig([A], policy="round-robin"), "127.0.0.9", 8123)
     assert configured == ["info"] and got["log_level"] == "info"  # uvicorn's spelling
 
 
+class TwoAtOnce:
+    """A worker whose replies wait until two of them are under way, then each
+    notes what ``seen()`` says at that moment and sends ``chunk``."""
+
+    def __init__(self, seen: Callable[[], object], chunk: bytes, content_type: str) -> None:
+        self.seen, self.chunk, self.content_type = seen, chunk, content_type
+        self.started, self.both = 0, asyncio.Event()
+        self.during: list[object] = []
+
+    async def body(self) -> AsyncIterator[bytes]:
+        self.started += 1
+        if self.started == 2:
+            self.both.set()
+        await self.both.wait()
+        self.during.append(self.seen())
+        yield self.chunk
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": self.content_type}
+        return httpx.Response(200, headers=headers, content=self.body())
+
+
 def test_two_replies_at_once_from_one_worker_are_both_in_flight() -> None:
-    during: list[float | None] = []
-    both = asyncio.Event()
-    started = 0
-
-    async def body():
-        nonlocal started
-        started += 1
-        if started == 2:
-            both.set()
-        await both.wait()
-        during.append(metric(router, "in_flight", worker=A))
-        yield b"{}"
-
-    async def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "application/json"}, content=body())
-
-    app, router, _ = router_app({A: answer})
+    worker = TwoAtOnce(lambda: metric(router, "in_flight", worker=A), b"{}", "application/json")
+    app, router, _ = router_app({A: worker})
 
     async def run() -> None:
         await asyncio.wait_for(asyncio.gather(post(app), post(app)), 30)
 
     asyncio.run(run())
-    assert during == [2, 2] and router.workers[0].in_flight == 0
+    assert worker.during == [2, 2] and router.workers[0].in_flight == 0
     assert metric(router, "requests_total", worker=A) == 2
 
 
