@@ -50,6 +50,7 @@ class KVCacheCoordinator(BlockManager):
     ) -> None:
         super().__init__(num_blocks, groups.block_size, enable_prefix_caching, root)
         self.spans = [group.span for group in groups.spans]  # span group g + 1's tokens a block
+        self.per_span = [span // groups.block_size for span in self.spans]  # its token blocks
         self.unit = groups.hit_unit() // groups.block_size  # token blocks a hit is a multiple of
         self.window = groups.window  # the last tokens a request reads raw
         self._last = self._no_match()  # match_prefix's answer
@@ -96,10 +97,7 @@ class KVCacheCoordinator(BlockManager):
             end = units * self.unit
             window = self._window_hits(token_ids, names, end)
             if window is not None:
-                taken = [
-                    blocks[: end // (span // self.block_size)]
-                    for blocks, span in zip(spans, self.spans)
-                ]
+                taken = [blocks[: end // per] for blocks, per in zip(spans, self.per_span)]
                 self._last = _Match(window, taken, names[:end])
                 break
         return self._last.hits
@@ -107,8 +105,7 @@ class KVCacheCoordinator(BlockManager):
     def _span_hits(self, names: list[bytes], spans: list[list[int]]) -> bool:
         """Extend each group's cached span blocks to the blocks ``names`` covers;
         False (and ``names`` cut back to the last whole unit) if one is missing."""
-        for group, blocks in enumerate(spans, 1):
-            per = self.spans[group - 1] // self.block_size
+        for group, (blocks, per) in enumerate(zip(spans, self.per_span), 1):
             for span in range(len(blocks), len(names) // per):
                 block_id = self.cached_blocks.get(
                     self.span_name(names[(span + 1) * per - 1], group)
@@ -203,8 +200,7 @@ class KVCacheCoordinator(BlockManager):
         span whose last token block that published."""
         published = len(seq.block_hashes)
         super().cache_full_blocks(seq, num_computed)
-        for group, table in enumerate(self._tables(seq), 1):
-            per = self.spans[group - 1] // self.block_size
+        for group, (table, per) in enumerate(zip(self._tables(seq), self.per_span), 1):
             for span in range(published // per, len(seq.block_hashes) // per):
                 name = self.span_name(seq.block_hashes[(span + 1) * per - 1], group)
                 block = self.blocks[table[span]]

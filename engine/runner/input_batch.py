@@ -173,7 +173,7 @@ class InputBatch:
         )
         groups = max((len(item.block_tables) for item in items), default=1)
         if groups > 1:  # the other KV-cache groups' tables (config/cache_groups.py)
-            others = [padded([table_of(item, g) for item in items]) for g in range(1, groups)]
+            others = [padded([item.block_tables[g] for item in items]) for g in range(1, groups)]
             self.pool.touch(max((b for t in others for row in t for b in row), default=-1) + 1)
             meta.group_tables = (meta.block_tables, *(self._tensor(t, torch.int32) for t in others))
         return meta
@@ -298,8 +298,3 @@ def is_decode(item: ScheduledRequest, query_len: int) -> bool:
     """Is the item one of the step's decodes, whose query is ``query_len`` tokens:
     its newest token, then the drafts that make up the rest?"""
     return item.num_new_tokens == query_len == decode_query_len(item.num_drafts)
-
-
-def table_of(item: ScheduledRequest, group: int) -> list[int]:
-    """The item's table of KV-cache group ``group``; empty if it holds none yet."""
-    return item.block_tables[group] if group < len(item.block_tables) else []
