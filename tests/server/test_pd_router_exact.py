@@ -44,6 +44,7 @@ from tests.server.test_pd_router_in_process import (
 )
 from tests.server.test_router_exact import (
     TwoAtOnce,
+    lifespan_until,
     model,  # noqa: F401  (a fixture)
     served,
 )
@@ -372,13 +373,8 @@ def test_start_up_checks_the_workers_then_probes_them_on_the_clock() -> None:
         app, router, _ = pd_app({P1: WHOLE, D1: WHOLE, D2: WHOLE})
         router.config.health_interval = 0.05
         router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
-        async with app.router.lifespan_context(app):
-            while sum(p == "/health" for _, p, _ in probes) < 6:  # two rounds
-                await asyncio.sleep(0.01)
-            during = len(probes)
-        closed = router.client.is_closed
-        await asyncio.sleep(0.1)
-        return router, during, len(probes), closed
+        rounds = lambda: sum(p == "/health" for _, p, _ in probes) >= 6  # noqa: E731  (two rounds)
+        return router, *await lifespan_until(app, router, probes, rounds)
 
     router, during, after, closed = asyncio.run(asyncio.wait_for(run(), 30))
     assert after == during and closed

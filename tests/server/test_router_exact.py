@@ -302,6 +302,18 @@ def test_a_router_failure_is_a_500_that_names_it_and_is_logged(caplog) -> None:
     ]
 
 
+async def lifespan_until(app, router, probes: list, enough: Callable[[], bool]) -> tuple:
+    """Run the app's lifespan until ``enough()``: the probes made by its end, the
+    probes 0.1 s later, and whether the router's client was closed with it."""
+    async with app.router.lifespan_context(app):
+        while not enough():
+            await asyncio.sleep(0.01)
+        during = len(probes)
+    closed = router.client.is_closed
+    await asyncio.sleep(0.1)
+    return during, len(probes), closed
+
+
 def test_the_health_check_probes_every_worker_on_its_clock_and_stops_with_the_app() -> None:
     probes: list[tuple[str, dict]] = []
 
@@ -316,13 +328,8 @@ def test_the_health_check_probes_every_worker_on_its_clock_and_stops_with_the_ap
         app, router, _ = router_app(
             {A: await health(503), B: await health(200)}, health_interval=0.05
         )
-        async with app.router.lifespan_context(app):
-            while len(probes) < 4:  # two rounds: the check goes on after its interval
-                await asyncio.sleep(0.01)
-            during = len(probes)
-        closed = router.client.is_closed
-        await asyncio.sleep(0.1)
-        return router, during, len(probes), closed
+        # two rounds: the check goes on after its interval
+        return router, *await lifespan_until(app, router, probes, lambda: len(probes) >= 4)
 
     router, during, after, closed = asyncio.run(asyncio.wait_for(run(), 30))
     assert after == during and closed
