@@ -420,13 +420,20 @@ def test_run_pd_router_logs_at_info_by_default(monkeypatch) -> None:
     assert configured == ["info"] and got["log_level"] == "info"  # uvicorn's spelling
 
 
-def test_two_plain_streams_on_one_decode_worker_are_both_in_flight() -> None:
-    worker = TwoAtOnce(lambda: router.decode[0].in_flight, event([6], "B"), SSE)
-    app, router, _ = pd_app({P1: WHOLE, D1: worker})
+@pytest.mark.parametrize(
+    "prefill, body, chunk",
+    [
+        (WHOLE, BODY | {"n": 2}, event([6], "B")),  # a plain stream from decode
+        (answer(200, PREFILLED), BODY, event([6], "B") + b"data: [DONE]\n\n"),  # a handoff
+    ],
+    ids=["plain", "handoff"],
+)
+def test_two_streams_on_one_decode_worker_are_both_in_flight(prefill, body, chunk) -> None:
+    worker = TwoAtOnce(lambda: router.decode[0].in_flight, chunk, SSE)
+    app, router, _ = pd_app({P1: prefill, D1: worker})
 
     async def run() -> None:
-        two = BODY | {"n": 2}
-        await asyncio.wait_for(asyncio.gather(post(app, two), post(app, two)), 30)
+        await asyncio.wait_for(asyncio.gather(post(app, body), post(app, body)), 30)
 
     asyncio.run(run())
     assert worker.during == [2, 2] and router.decode[0].in_flight == 0
@@ -474,18 +481,6 @@ def test_the_stream_that_no_worker_can_finish_is_a_503_event() -> None:
     app, router, _ = pd_app({P1: answer(200, PREFILLED), D1: unreachable})
     error = data_lines(asyncio.run(post(app, BODY)))[0]["error"]
     assert error["type"] == "service_unavailable_error" and error["code"] == "worker_failed"
-
-
-def test_two_handoff_streams_on_one_decode_worker_are_both_in_flight() -> None:
-    chunk = event([6], "B") + b"data: [DONE]\n\n"
-    worker = TwoAtOnce(lambda: router.decode[0].in_flight, chunk, SSE)
-    app, router, _ = pd_app({P1: answer(200, PREFILLED), D1: worker})
-
-    async def run() -> None:
-        await asyncio.wait_for(asyncio.gather(post(app, BODY), post(app, BODY)), 30)
-
-    asyncio.run(run())
-    assert worker.during == [2, 2] and router.decode[0].in_flight == 0
 
 
 def test_a_handoff_stream_gone_quiet_resumes_on_another_worker(caplog) -> None:
