@@ -79,6 +79,88 @@ def test_hidden_drafts_on_one_rank_read_rank_0s_tokens_directly() -> None:
     assert forgotten == ["x"]
 
 
+class Module:
+    """An MTP proposer that records what it is handed and answers a marker."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def propose(self, items, input_ids, hidden, sampled, accepted) -> str:
+        self.calls.append((items, input_ids, hidden, sampled, accepted))
+        return "drafts"
+
+
+def mtp_step(drafts: list[list[int]] | None) -> SimpleNamespace:
+    """Two requests that sample; b carries ``drafts`` (None: no request does)."""
+    rows = [[], drafts or []]
+    model_input = SimpleNamespace(
+        items=["item a", "item b"],
+        input_ids=torch.tensor([11, 12, 13]),
+        req_ids=["a", "b"],
+        num_positions=lambda: [1 + len(d) for d in rows],
+    )
+    return SimpleNamespace(batch=model_input, drafts=None if drafts is None else "check")
+
+
+def test_hidden_drafts_hand_the_module_the_step_and_rank_0s_tokens() -> None:
+    module, step = Module(), mtp_step([5, 6])
+    drafts = HiddenDrafts(module, expert_parallel_size=1)
+    hidden = torch.zeros(3, 4)
+    tokens, accepted = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    out = SimpleNamespace(sampled_token_ids=tokens, num_accepted=accepted, draft_token_ids=None)
+    drafts.propose(step, out, hidden)
+    [(items, input_ids, got_hidden, got_tokens, got_accepted)] = module.calls
+    assert items is step.batch.items and input_ids is step.batch.input_ids
+    assert got_hidden is hidden and got_tokens is tokens and got_accepted is accepted
+    assert out.draft_token_ids == "drafts"
+
+
+class Broadcasts:
+    """broadcast_from_rank0 as rank 0 of a group sees it: records what it sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.sent.append(t)
+        return t
+
+
+def test_rank_0_sends_its_tokens_then_its_accepted_counts(monkeypatch) -> None:
+    sent = Broadcasts()
+    monkeypatch.setattr("engine.runner.drafting.broadcast_from_rank0", sent)
+    module = Module()
+    drafts = HiddenDrafts(module, expert_parallel_size=2)
+    tokens, accepted = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    out = SimpleNamespace(sampled_token_ids=tokens, num_accepted=accepted, draft_token_ids=None)
+    drafts.propose(mtp_step([5, 6]), out, torch.zeros(3, 4))
+    assert [t is x for t, x in zip(sent.sent, (tokens, accepted))] == [True, True]
+    assert module.calls[0][3] is tokens and module.calls[0][4] is accepted
+    assert out.draft_token_ids == "drafts"
+    out = SimpleNamespace(sampled_token_ids=tokens[:2], num_accepted=None, draft_token_ids=None)
+    drafts.propose(mtp_step(None), out, torch.zeros(3, 4))  # no drafts: the tokens alone
+    assert len(sent.sent) == 3 and sent.sent[2] is out.sampled_token_ids
+    assert module.calls[1][4] is None
+
+
+def test_another_rank_makes_room_for_rank_0s_tokens_on_its_device(monkeypatch) -> None:
+    sent = Broadcasts()
+    monkeypatch.setattr("engine.runner.drafting.broadcast_from_rank0", sent)
+    module = Module()
+    drafts = HiddenDrafts(module, expert_parallel_size=4)
+    hidden = torch.empty(3, 4, device="meta")  # where the rows must go: not the CPU
+    drafts.propose(mtp_step([5, 6]), None, hidden)  # a: 1 position, b: 3; 2 requests
+    assert [(tuple(t.shape), t.dtype, t.device.type) for t in sent.sent] == [
+        ((4,), torch.int64, "meta"),
+        ((2,), torch.int64, "meta"),
+    ]
+    [(_, _, got_hidden, tokens, accepted)] = module.calls
+    assert got_hidden is hidden and tokens is sent.sent[0] and accepted is sent.sent[1]
+    drafts.propose(mtp_step(None), None, hidden)  # no drafts: only the 2 tokens come
+    assert [tuple(t.shape) for t in sent.sent[2:]] == [(2,)]
+    assert module.calls[1][4] is None
+
+
 def batch(drafts: list[list[int]], positions: list[int], req_ids: list[str]) -> SimpleNamespace:
     return SimpleNamespace(drafts=drafts, num_positions=lambda: positions, req_ids=req_ids)
 
@@ -98,6 +180,7 @@ class Qs:
 def test_no_drafts_no_check() -> None:
     step = batch([[], []], [1, 1], ["a", "b"])
     assert draft_check(step, rows([GREEDY, GREEDY]), Qs({}), 8, CPU) is None
+    assert draft_check(batch([], [], []), [], Qs({}), 8, CPU) is None  # nobody samples
 
 
 def test_the_check_pads_drafts_and_points_each_at_the_row_sampled_before_it() -> None:
@@ -126,6 +209,9 @@ def test_only_drawing_requests_with_a_q_reach_the_rejection_sampler() -> None:
     assert torch.equal(s.probs[0], q_b.float())
     assert torch.equal(s.probs[1, 0], q_c[0]) and not s.probs[1, 1:].any()
     assert s.filters.temperature.tolist() == [0.5, 0.25, 0.125, 2.0, 4.0, 4.0]  # row by row
+    meta = torch.device("meta")  # the q go where the rejection sampler runs
+    on_meta = draft_check(step, rows(params), Qs({"b": q_b, "c": q_c}), 4, meta).sampled
+    assert on_meta.probs.device == meta and on_meta.probs.shape == (2, 3, 4)
     width = len(check.rows[0])
     assert sampled_drafts(step, rows(params), [[0] * width] * 4, Qs({}), 4, CPU) is None
 
