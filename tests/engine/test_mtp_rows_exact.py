@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.attention.context import get_forward_context
 from engine.spec_decode.mtp import (
     HELD,
     DraftStart,
@@ -144,3 +145,147 @@ def test_drafts_past_a_requests_blocks_go_to_its_own_scratch_blocks() -> None:
     assert p._with_scratch([3, 4], last=8, i=0) == [3, 4, 10]
     assert p._with_scratch([3, 4], last=12, i=1) == [3, 4, 12, 13]
     assert p._with_scratch([3], last=0, i=2) == [3]
+
+
+# ------------------------------------------------ the proposer on a fake module
+
+VOCAB = 97
+
+
+class Layer:
+    """An MTP attention layer as the proposer sizes it: what it asked for, and
+    what it held when the larger cache was allocated."""
+
+    def __init__(self) -> None:
+        self.kv_cache, self.asked = "the pool's", []
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> SimpleNamespace:
+        def allocate(num_blocks: int, block_size: int, device: torch.device):
+            self.asked.append((dtype, num_blocks, block_size, device, self.kv_cache))
+            tensors = [torch.full((num_blocks, 2), 7.0), torch.full((num_blocks, 3), 7.0)]
+            return SimpleNamespace(tensors=lambda: tensors)
+
+        return SimpleNamespace(allocate=allocate)
+
+
+class Module:
+    """The target's MTP module, exact: a row's state is h + its token, its logits
+    one-hot at (state + position) mod VOCAB, so each draft names its inputs.
+    Each run is recorded with the forward context it ran in."""
+
+    def __init__(self, layers: list[Layer] = ()) -> None:
+        self.layers, self.runs, self.weight = list(layers), [], torch.zeros(1)
+
+    def parameters(self):
+        yield self.weight
+
+    def mtp_attention_layers(self) -> list[Layer]:
+        return self.layers
+
+    def mtp_hidden_states(self, positions, h, tokens):
+        ctx = get_forward_context()
+        run = (positions.tolist(), h[:, 0].tolist(), tokens.tolist(), ctx.meta, ctx.attn_metadata)
+        self.runs.append(run)
+        state = h + tokens[:, None]
+        return state + positions[:, None], state
+
+    def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(normed[:, 0].long() % VOCAB, VOCAB).float()
+
+
+class Backend:
+    def build_metadata(self, meta):
+        return ("built", meta)
+
+
+def pool(num_blocks: int = 10, touched: int = 3, max_model_len: int = 9) -> SimpleNamespace:
+    return SimpleNamespace(
+        block_size=4,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        num_touched_blocks=touched,
+        config=SimpleNamespace(dtype=torch.float16),
+    )
+
+
+def test_the_proposer_adds_zeroed_scratch_blocks_for_chained_drafts() -> None:
+    layers = [Layer(), Layer()]
+    p = MTPProposer(Module(layers), pool(), Backend(), k=4, max_num_seqs=2)
+    assert (p.k, p.block_size, p.max_model_len, p.device) == (4, 4, 9, CPU)
+    assert (p.first_scratch, p.scratch_per_seq, p.held) == (10, 1, {})  # 3 drafts: 1 block of 4
+    for layer in layers:  # 10 blocks and 2 requests' scratch; the old cache freed first
+        assert layer.asked == [(torch.float16, 12, 4, CPU, None)]
+        for t in layer.kv_cache.tensors():  # touched and scratch blocks zeroed, others not yet
+            assert t[:, 0].tolist() == [0.0] * 3 + [7.0] * 7 + [0.0] * 2
+    assert MTPProposer(Module(), pool(), Backend(), k=5, max_num_seqs=1).scratch_per_seq == 1
+    assert MTPProposer(Module(), pool(), Backend(), k=6, max_num_seqs=1).scratch_per_seq == 2
+    untouched = Layer()  # one draft: no chain, no scratch, the pool's cache kept
+    p = MTPProposer(Module([untouched]), pool(), Backend(), k=1, max_num_seqs=2)
+    assert p.scratch_per_seq == 0 and untouched.asked == [] and untouched.kv_cache == "the pool's"
+
+
+def test_drafts_chain_from_each_requests_last_accepted_row() -> None:
+    module, backend = Module(), Backend()
+    p = MTPProposer(module, pool(max_model_len=9), backend, k=4, max_num_seqs=2)
+    # a: a prompt chunk of 3; b: 2 tokens + 2 drafts at 5..7; c: a decode at 2.
+    items = [
+        item("a", 0, 3, False, table=[40]),
+        item("b", 5, 3, True, drafts=2, table=[20, 21]),
+        item("c", 2, 1, True, table=[30]),
+    ]
+    hidden = torch.arange(7.0).view(7, 1) * 10  # row r's h: 10 r
+    input_ids = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    sampled = torch.tensor([8, 9, 11, 12])  # b's 3 (rows 7..9 of inputs + samples), c's 1
+    drafts = p.propose(items, input_ids, hidden, sampled, torch.tensor([1, 0]))
+    assert drafts.dtype == torch.int64
+    assert drafts.tolist() == [[55, 14, 29, 58], [74, 52, 8, 17]]  # b's, then c's
+    main, *chain = module.runs
+    # c (one row) first, then a's two rows (its last waits), then b's three.
+    assert main[:3] == ([2, 0, 1, 5, 6, 7], [60, 0, 10, 30, 40, 50], [12, 2, 3, 8, 9, 11])
+    assert main[3].block_tables.tolist() == [[30, -1], [40, -1], [20, 21]]
+    assert main[3].slot_mapping.tolist() == [122, 160, 161, 85, 86, 87]
+    assert main[4] == ("built", main[3])
+    # b accepted 1 draft: it drafts on from position 7, c from 3; b's h is row 4's state
+    # (40 + 9), c's row 0's (60 + 12). Position 9 is past max_model_len - 1 = 8: held at 8.
+    assert [run[:3] for run in chain] == [
+        ([7, 3], [49, 72], [55, 74]),
+        ([8, 4], [104, 146], [14, 52]),
+        ([8, 5], [118, 198], [29, 8]),
+    ]
+    for run in chain:  # b's third block and c's second are their scratch blocks, 10 and 11
+        assert run[3].block_tables.tolist() == [[20, 21, 10], [30, 11, -1]]
+    assert [run[3].slot_mapping.tolist() for run in chain] == [[87, 123], [40, 44], [40, 45]]
+    assert [run[3].context_lens_cpu for run in chain] == [[8, 4], [9, 5], [9, 6]]
+    assert p.held["a"][0] == 2 and p.held["a"][1].tolist() == [[20.0]]
+    # a's next step: its held h (position 2) with this step's input, then its sample.
+    module.runs.clear()
+    step = [item("a", 3, 1, True, table=[40])]
+    drafts = p.propose(step, torch.tensor([5]), torch.tensor([[100.0]]), torch.tensor([6]), None)
+    assert drafts.tolist() == [[12, 25, 51, 6]] and p.held == {}
+    assert module.runs[0][:3] == ([2, 3], [20, 100], [5, 6])
+    assert [run[0] for run in module.runs[1:]] == [[4], [5], [6]]
+    assert module.runs[1][3].block_tables.tolist() == [[40, 10]]
+
+
+def test_one_draft_runs_the_module_once_and_no_rows_nothing() -> None:
+    module = Module()
+    p = MTPProposer(module, pool(), Backend(), k=1, max_num_seqs=2)
+    items = [item("b", 5, 1, True, table=[20, 21]), item("c", 2, 1, True, table=[30])]
+    hidden, ids = torch.tensor([[10.0], [20.0]]), torch.tensor([1, 2])
+    drafts = p.propose(items, ids, hidden, torch.tensor([3, 4]), None)
+    assert drafts.tolist() == [[10 + 3 + 5], [20 + 4 + 2]] and len(module.runs) == 1
+    # A prompt chunk alone: its rows are written, nobody drafts.
+    chunk = [item("a", 0, 3, False, table=[40])]
+    hidden = torch.zeros(3, 1)
+    drafts = p.propose(
+        chunk, torch.tensor([1, 2, 3]), hidden, torch.tensor([], dtype=torch.int64), None
+    )
+    assert drafts.shape == (0, 1) and drafts.dtype == torch.int64 and len(module.runs) == 2
+    # A one-token chunk: no rows at all (its h is held), the module does not run.
+    p.held.clear()
+    one = [item("a", 0, 1, False, table=[40])]
+    drafts = p.propose(
+        one, torch.tensor([1]), torch.zeros(1, 1), torch.tensor([], dtype=torch.int64), None
+    )
+    assert drafts.shape == (0, 1) and drafts.dtype == torch.int64 and len(module.runs) == 2
+    assert list(p.held) == ["a"]
