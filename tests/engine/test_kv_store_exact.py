@@ -2,20 +2,24 @@
 every kind of change, the exact number of entries an eviction removes (down to
 nine tenths of the bound, not one byte further), each outcome's counter, the
 seconds counted from the store's own clock, the files a scan counts and the
-ones it leaves alone, and the entry header's exact bytes. test_kv_store.py
-checks the store's behaviour; these pin the numbers /metrics and the next
-process read (tests/mutation_survivors.md lists what mutation testing left)."""
+ones it leaves alone, and the entry header's exact bytes; and what a hung Redis
+costs. test_kv_store.py checks the store's behaviour; these pin the numbers
+/metrics and the next process read (tests/mutation_survivors.md lists what
+mutation testing left)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from engine.kv.store import DiskStore, StoreStats, frame, open_store
+from engine.kv.store import DiskStore, RedisStore, StoreStats, frame, open_store
 from engine.kv.store import disk as disk_module
 from engine.kv.store.entry import HEADER, MAGIC, VERSION, checksum
 
@@ -251,3 +255,31 @@ def test_the_entry_header_is_exactly_its_documented_bytes() -> None:
     assert data[HEADER.size :] == v and len(data) == 32 + 5
     assert HEADER.unpack(data[:32]) == (MAGIC, VERSION, 0, 5, checksum(k, v))
     assert data[:8] == b"DIKV\x01\x00\x00\x00"
+
+
+# ---------------------------------------------------------------- Redis's bounds
+
+
+def silent_server(backlog: int) -> socket.socket:
+    """A loopback listener that never accepts: a hung Redis. With its queue full
+    (``backlog`` connections already waiting), a connect hangs too."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(backlog)
+    return listener
+
+
+@pytest.mark.parametrize("hangs", ["reading", "connecting"])
+def test_a_hung_redis_costs_one_try_and_one_retry_of_timeout_s_each(hangs: str) -> None:
+    """The store's docstring: one attempt and one retry, each at most TIMEOUT_S
+    (1 s); construction pings, so a hung server fails it after 2 s, not 1 or 3."""
+    listener = silent_server(8 if hangs == "reading" else 0)
+    port = listener.getsockname()[1]
+    waiting = [] if hangs == "reading" else [socket.create_connection(("127.0.0.1", port))]
+    url = f"redis://127.0.0.1:{port}/0"
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=re.escape(f"cannot reach the KV store at {url}: Timeout {hangs}")):  # fmt: skip
+        RedisStore(url)
+    assert 2.0 <= time.perf_counter() - start < 2.9
+    for s in [*waiting, listener]:
+        s.close()
