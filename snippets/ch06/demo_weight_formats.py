@@ -24,7 +24,8 @@ row), and teacher-forced top-1 agreement with bf16's greedy replies (GEN
 tokens after each of 4 prompts). The FP8 rows run the engine's FP8 layers.
 torch's int8 and int4 CPU kernels are slow on float32 activations (they are
 made for bfloat16), so the int8 and int4 rows run the weights the engine's own
-quantizer makes, dequantized by its own functions, as a float32 checkpoint;
+quantizer makes (the tied embedding table in int8 under both), dequantized by
+its own functions, as a float32 checkpoint;
 CHECK_TOKENS greedy tokens a prompt then show that the engine's int8 and int4
 layers give the same tokens as those weights. Perplexities are rounded to
 FIGURES significant figures, gaps to one place more, shares to three places.
@@ -117,9 +118,11 @@ def write_checkpoints(folder: Path) -> dict[str, Path]:
         for name in linears:
             tensors[name], tensors[name + "_scale_inv"] = fp8_blocks(bf16[name], per_tensor)
         paths[label] = save(folder / label.replace(" ", "-"), tensors, fp8_config)
+    table = "model.embed_tokens.weight"  # tied to the head: int8 under both methods
     for method in ("int8", "int4"):
         tensors = {k: v.float() for k, v in bf16.items()}
         tensors |= {name: int_weights(bf16[name], method) for name in linears}
+        tensors[table] = int_weights(bf16[table], "int8")
         paths[f"{method} weights"] = save(folder / method, tensors, config | {"dtype": "float32"})
     return paths
 

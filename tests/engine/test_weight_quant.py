@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.layers.quantization.int_linear import IntExperts
+from engine.layers.quantization.int_linear import Int8Linear, IntExperts
 from engine.layers.quantization.int_weight import (
     int4_dequantize,
     int4_group,
@@ -94,12 +94,16 @@ PROMPTS = random_prompts(4, seed=81)
 
 def quantized_reference(arch: str, path: Path, method: str) -> torch.nn.Module:
     """transformers on the checkpoint's weights as the engine quantizes them:
-    every linear layer but the output head and MLA's kv_b_proj."""
+    every linear layer but an untied output head and MLA's kv_b_proj, and a
+    tied embedding table (which the head reads) in int8 under either method."""
     tensors = load_file(path / "model.safetensors")
+    tied = json.loads((path / "config.json").read_text())["tie_word_embeddings"]
     for name, w in tensors.items():
         linear = name.endswith(("proj.weight", "_mqa.weight")) and "kv_b_proj" not in name
         if linear and w.dim() == 2:
             tensors[name] = dequantize(method, *quantize(method, w))
+        elif tied and name.endswith("embed_tokens.weight"):
+            tensors[name] = dequantize("int8", *quantize("int8", w))
     ref = path.parent / f"{path.name}-{method}"
     ref.mkdir()
     for file in path.glob("*.json"):
@@ -108,9 +112,10 @@ def quantized_reference(arch: str, path: Path, method: str) -> torch.nn.Module:
     return hf_model_class(arch).from_pretrained(ref, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "deepseek-yarn"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "deepseek-yarn"])
 def plain(request, tmp_path_factory) -> tuple[str, Path]:
-    """Shapes that torch's int4 layout holds whole (rows in sixteens, rows of 32k)."""
+    """Shapes that torch's int4 layout holds whole (rows in sixteens, rows of 32k);
+    qwen2's head is tied to its embedding table."""
     path = tmp_path_factory.mktemp(request.param) / "model"
     build_checkpoint(request.param, path)
     return request.param, path
@@ -126,7 +131,12 @@ def test_greedy_tokens_match_the_dequantized_weights(plain, method) -> None:
         llm = LLM(path, dtype="float32", quantization=method, **config)
         assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
     model = llm.llm_engine.executor.model_runner.model
-    assert model.lm_head.weight.dtype == torch.float32
+    if arch == "qwen2":  # one int8 table, read by the embedding and the head
+        assert isinstance(model.lm_head, Int8Linear)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight.dtype == torch.int8
+    else:
+        assert model.lm_head.weight.dtype == torch.float32
     if arch == "deepseek-yarn":
         assert all(isinstance(e, IntExperts) for e in model.experts())
 
@@ -184,10 +194,9 @@ def test_the_command_line_passes_quantization_on(tmp_path) -> None:
 
 def test_layers_are_quantized_as_their_weights_arrive(tmp_path) -> None:
     """While the checkpoint streams in, each layer is quantized once its last part
-    (q, k or v of a fused layer) is copied and its full-precision weight freed: the
-    whole model is never held in full precision at once."""
+    (q, k or v of a fused layer) is copied and let go of, and its full-precision
+    weight freed: the whole model is never held in full precision at once."""
     from engine.config import EngineConfig
-    from engine.layers.quantization.int_linear import Int8Linear
     from engine.layers.quantization.int_loading import quantize_as_loaded
     from engine.models.loader import iterate_weights
     from engine.models.registry import build_model
@@ -207,16 +216,45 @@ def test_layers_are_quantized_as_their_weights_arrive(tmp_path) -> None:
     with torch.no_grad():
         model.load_weights(watched())
     layers = len(dense) - 1  # all but the output head
-    assert counts[-1] == layers and 0 < counts[len(counts) // 2] < layers
+    assert 0 < counts[len(counts) // 2] < layers
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == layers
     freed = [w for w in dense if w.untyped_storage().nbytes() <= 4]
     assert len(freed) == layers
+
+
+def test_a_tied_table_is_quantized_once_it_arrives(tmp_path) -> None:
+    """A tied embedding table becomes int8 as soon as its tensor is copied, early in
+    the stream, and its full-precision storage is freed; the head reads its codes."""
+    from engine.layers.quantization.int_linear import Int8Embedding
+    from engine.layers.quantization.int_loading import quantize_as_loaded
+    from engine.models.loader import iterate_weights
+    from engine.models.registry import build_model
+
+    build_checkpoint("qwen2", tmp_path / "model")
+    model = build_model(EngineConfig(str(tmp_path / "model"), dtype="float32").hf_config)
+    table = model.model.embed_tokens.weight
+    stream = iterate_weights(tmp_path / "model")
+    quantizing = quantize_as_loaded(stream, model, "int4", torch.float32, model.weight_target)
+    left_after: list[bool] = []
+
+    def watched():
+        for name, tensor in quantizing:
+            left_after.append(isinstance(model.model.embed_tokens, Int8Embedding))
+            yield name, tensor
+
+    with torch.no_grad():
+        model.load_weights(watched())
+    assert left_after.index(True) < len(left_after) // 2
+    assert table.untyped_storage().nbytes() <= 4
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.embed_tokens.weight.dtype == torch.int8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_quantized_by_slices_of_rows_equal_the_whole(dtype) -> None:
     """Int8Linear and Int4Linear quantize 256 rows at a time (small temporaries):
     the same codes, scales and outputs as quantizing the layer whole, with a bias."""
-    from engine.layers.quantization.int_linear import Int4Linear, Int8Linear
+    from engine.layers.quantization.int_linear import Int4Linear
 
     g = torch.Generator().manual_seed(torch.seed())
     linear = torch.nn.Linear(384, 592, dtype=dtype)  # 592 rows: slices of 256, 256, 80

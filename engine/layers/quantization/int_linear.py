@@ -1,5 +1,6 @@
 """Linear layers and routed experts from int8 or int4 weights (int_weight.py),
-made at load from a model's full-precision layers, which are freed one by one."""
+made at load from a model's full-precision layers, which are freed one by one;
+and a tied embedding table with its output head, kept as one int8 table."""
 
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ class Int8Linear(nn.Module):
         self.weight, self.weight_scale = frozen(q), frozen(scales)
         self.bias = linear.bias
 
+    @classmethod
+    def reading(cls, table: Int8Embedding) -> Int8Linear:
+        """A tied output head: the embedding's codes and scales, shared, not copied."""
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head.out_features, head.in_features = table.weight.shape
+        head.weight, head.weight_scale, head.bias = table.weight, table.weight_scale, None
+        return head
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
         y = y.view(*x.shape[:-1], self.out_features)
@@ -57,17 +67,39 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Int8Embedding(nn.Module):
+    """nn.Embedding's lookup from int8 rows, one scale a row (a token's vector):
+    the same codes and scales serve a tied output head (Int8Linear.reading)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        q, scales = by_rows(lambda w: int8_quantize(w, w.dtype), embedding.weight.detach())
+        self.weight, self.weight_scale = frozen(q), frozen(scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        scales = self.weight_scale[ids].float()
+        return (self.weight[ids].float() * scales[..., None]).to(self.weight_scale.dtype)
+
+
 ROWS = 256  # rows quantized at a time: float32 temporaries of a few rows, not a layer
 
 
 def by_rows(quantize, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize`` over slices of ROWS rows (each row's numbers depend on that row
-    alone), results stacked by row: quantize's (codes, scales), with int4's
-    scale table given as [rows, groups, 2] so that it stacks by row too."""
-    parts = [quantize(w[r : r + ROWS]) for r in range(0, w.shape[0], ROWS)]
-    codes = torch.cat([p[0] for p in parts])
-    scales = [p[1] if p[1].dim() < 3 else p[1].transpose(0, 1) for p in parts]
-    return codes, torch.cat(scales).contiguous()
+    alone), each slice's (codes, scales) written into the whole result as it
+    comes, so that the result is never copied: int4's scale table is given as
+    [rows, groups, 2], laid out by row like everything else."""
+    codes = scales = torch.empty(0)
+    for r in range(0, w.shape[0], ROWS):
+        part, part_scales = quantize(w[r : r + ROWS])
+        if part_scales.dim() == 3:
+            part_scales = part_scales.transpose(0, 1)
+        if r == 0:
+            codes = part.new_empty(w.shape[0], *part.shape[1:])
+            scales = part_scales.new_empty(w.shape[0], *part_scales.shape[1:])
+        codes[r : r + part.shape[0]] = part
+        scales[r : r + part.shape[0]] = part_scales
+    return codes, scales
 
 
 def int4_fits(rows: int, cols: int) -> bool:

@@ -5,6 +5,10 @@ through the model's weight_target, so that q, k and v, or an expert's halves,
 each add their share), and its full-precision weight's memory is given back at
 once: the load never holds the whole model in full precision. Whatever is left
 when the stream ends (a layer filled some other way) is quantized after it.
+
+An embedding table that the output head shares (tied embeddings) becomes one
+int8 table, under int4 too, that both read: the head reads it whole at every
+step, and llama.cpp keeps it at 8 bits for Q8_0 and 6 for Q4_0.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from torch import nn
 
 from engine.layers.heap import trim_heap
 from engine.layers.moe import Experts
-from engine.layers.quantization.int_linear import IntExperts, int4_fits, quantized
+from engine.layers.quantization.int_linear import (
+    Int8Embedding,
+    Int8Linear,
+    IntExperts,
+    int4_fits,
+    quantized,
+)
 
 STACKED = ("gate_up_proj", "down_proj")  # an Experts module's weights
 
@@ -27,13 +37,18 @@ def quantizable(
 ) -> tuple[dict[str, list[str]], list[str]]:
     """The layers to quantize, each with its weights' parameter names; and those
     int4's layout cannot hold (rows not in sixteens, or no group dividing a row).
-    Left as they are: the output head (as vLLM leaves it), layers another shares a
-    weight with, ``plain`` ones (read by weight), layers in another dtype."""
+    A tied embedding table is one of them (int8 whatever the method). Left as they
+    are: an untied output head (as vLLM leaves it), any other layer sharing a
+    weight, ``plain`` ones (read by weight), layers in another dtype."""
     shared = _shared(model)
     todo: dict[str, list[str]] = {}
     misfits: list[str] = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
+        if type(module) is nn.Embedding and id(module.weight) in shared:
+            if module.weight.dtype == dtype:
+                todo[name] = [f"{name}.weight"]
+            continue
         if type(module) is Experts:
             weights = [f"{name}.{w}" for w in STACKED]
         elif type(module) is nn.Linear:
@@ -54,14 +69,32 @@ def quantizable(
 def quantize_module(model: nn.Module, name: str, method: str) -> None:
     """Replace one layer by its quantized copy and give its weights' memory back
     (the load's own references to the old parameters may outlive it)."""
-    parent_name, _, leaf = name.rpartition(".")
     old = model.get_submodule(name)
+    if isinstance(old, nn.Embedding):
+        return _quantize_tied(model, name, old)
     new = IntExperts.replacing(old, method) if isinstance(old, Experts) else quantized(old, method)
-    setattr(model.get_submodule(parent_name), leaf, new)
+    _replace(model, name, new)
     for weight in STACKED if isinstance(old, Experts) else ("weight",):
         param = getattr(old, weight)
         param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)  # same shape
     trim_heap()
+
+
+def _quantize_tied(model: nn.Module, name: str, old: nn.Embedding) -> None:
+    """A tied embedding table as one int8 table, and every linear layer that
+    shared its weight (the output head) reading that table."""
+    table = Int8Embedding(old)
+    heads = [n for n, m in model.named_modules() if type(m) is nn.Linear and m.weight is old.weight]
+    _replace(model, name, table)
+    for head in heads:
+        _replace(model, head, Int8Linear.reading(table))
+    old.weight.data = torch.zeros((), dtype=old.weight.dtype).expand(old.weight.shape)
+    trim_heap()
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), leaf, new)
 
 
 def quantize_weights(
@@ -82,21 +115,29 @@ def quantize_as_loaded(
     target: Callable[[str], str | None],
     plain: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, passed on; once the consumer has copied a tensor
-    (it asks for the next), a layer it completed is quantized."""
+    """The checkpoint's tensors, passed on. A layer is quantized once the consumer has
+    copied its last tensor and let go of it: when it asks for the tensor after the
+    next. Until then it holds that tensor, whose pages a memory-mapped checkpoint
+    counts in the process's memory, as large as the layer itself."""
     todo, _ = quantizable(model, method, dtype, plain)
     owner = {w: layer for layer, ws in todo.items() for w in ws}
     missing = {w: model.get_parameter(w).numel() for w in owner}
     last: tuple[str, int] | None = None
+    done: list[str] = []  # layers the consumer's last tensor completed
     for name, tensor in chain(weights, [("", None)]):
+        for layer in done:
+            quantize_module(model, layer, method)
+        done = []
         if last is not None and last[0] in missing:
             missing[last[0]] -= last[1]
             layer = owner[last[0]]
             if all(missing[w] <= 0 for w in todo[layer]):
-                quantize_module(model, layer, method)
+                done.append(layer)
                 for w in todo[layer]:
                     del missing[w]
         if tensor is None:
+            for layer in done:
+                quantize_module(model, layer, method)
             return
         yield name, tensor
         last = (target(name), tensor.numel())
