@@ -12,6 +12,7 @@ original, so memory does not double.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,47 +54,67 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(x.shape[0], out_features)
 
 
-def gemv_reads_faster() -> bool:
-    """Whether torch.mv (W x) reads a row-major bfloat16 weight faster than
-    F.linear (x Wᵀ) on this CPU, as measured with python -m
-    engine.tools.cpu_linear_bench at Qwen3's 151,936 x 1,024 head, 2 threads: on
-    the Intel Xeon with AMX where torch.mv was first chosen (commit 124c11f),
-    11.89 against 15.42 ms; on an AMD EPYC Zen 4 (AVX-512, no AMX), idle, 31.57
-    against 20.78 ms. The AMX flag stands for the first kind; a CPU not
-    measured takes F.linear, PyTorch's own choice."""
+OneRow = Literal["onednn", "torch", "linear"]
+
+
+def one_row_kernel() -> OneRow:
+    """How SharedWeightLinear multiplies one row by a row-major bfloat16 weight on
+    this CPU, as measured with python -m engine.tools.cpu_linear_bench at Qwen3's
+    151,936 x 1,024 head, 2 threads:
+    - on the Intel Xeon with AMX where this was first measured (commit 124c11f),
+      torch.mv through oneDNN ("onednn"): 11.89 ms, against F.linear's 15.42;
+    - on an AMD EPYC Zen 4 (AVX-512, no AMX), idle, torch's own GEMV ("torch":
+      torch.mv with oneDNN switched off, which reads the rows in order): 7.79 ms,
+      against F.linear's 21.23 and oneDNN's torch.mv at 28.84.
+    The AMX flag stands for the first kind; any other CPU takes torch's own GEMV,
+    which is also what an AVX2-only CPU runs, oneDNN having no bf16 path there."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " amx_bf16" in flags
+        return "torch"
+    return "onednn" if " amx_bf16" in flags else "torch"
 
 
 class SharedWeightLinear(nn.Module):
     """nn.Linear for a weight that must stay as it is, because another layer
-    shares it (a tied LM head reads the embedding's table). Where it reads
-    faster (gemv_reads_faster), a single row goes through torch.mv, W x, the
-    order in which oneDNN reads a row-major weight faster on those CPUs. More
+    shares it (a tied LM head reads the embedding's table). A single row goes
+    through torch.mv, W x, with the kernel one_row_kernel() chose for this CPU:
+    both read a row-major weight faster in that order than F.linear does. More
     rows go through F.linear: W xᵀ would come out transposed, and making it
     contiguous costs more than it saves."""
 
-    def __init__(self, linear: nn.Linear, gemv: bool | None = None) -> None:
-        """``gemv``: take one row through torch.mv (default: gemv_reads_faster())."""
+    def __init__(self, linear: nn.Linear, one_row: OneRow | None = None) -> None:
+        """``one_row``: how one row is multiplied (default: one_row_kernel())."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same parameter: still shared
         self.bias = linear.bias
-        self.gemv = gemv_reads_faster() if gemv is None else gemv
+        self.one_row = one_row_kernel() if one_row is None else one_row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         one_row = flat.shape[0] == 1 and not torch.compiler.is_compiling()  # traced: any size
-        if not (one_row and self.gemv):
+        if not one_row or self.one_row == "linear":
             y = F.linear(flat, self.weight, self.bias)
         else:
-            y = torch.mv(self.weight, flat[0]).unsqueeze(0)
+            y = gemv(self.weight, flat[0], self.one_row == "onednn").unsqueeze(0)
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def gemv(weight: torch.Tensor, x: torch.Tensor, onednn: bool) -> torch.Tensor:
+    """torch.mv(weight, x), through oneDNN or (``onednn`` False) torch's own kernel.
+    The switch is torch's global one, set for this call alone; the engine's model
+    runs in one thread."""
+    if onednn:
+        return torch.mv(weight, x)
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        return torch.mv(weight, x)
+    finally:
+        torch.backends.mkldnn.enabled = enabled
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,7 +1,8 @@
 """A tied output head on the CPU: F.linear (x Wᵀ) against SharedWeightLinear
-(engine/layers/linear.py) with torch.mv (W x) for a single row, more rows
-through F.linear. It also prints which of the two the engine takes for one
-row on this CPU (gemv_reads_faster).
+(engine/layers/linear.py), which takes a single row through torch.mv (W x), by
+oneDNN or by torch's own GEMV, and more rows through F.linear. One column for
+each of the two one-row kernels; it also prints which one the engine takes on
+this CPU (one_row_kernel).
 
     python -m engine.tools.cpu_linear_bench [--vocab 151936] [--hidden 1024] [--threads N]
 
@@ -20,18 +21,18 @@ import argparse
 import torch
 from torch import nn
 
-from engine.layers.linear import SharedWeightLinear, gemv_reads_faster
+from engine.layers.linear import SharedWeightLinear, one_row_kernel
 from engine.tools.sampler_bench import best_ms
 
 BATCHES = (1, 8, 64, 256)
 
 
-def check(head: nn.Linear, ours: SharedWeightLinear, x: torch.Tensor) -> str:
-    """Both within bfloat16's rounding of the float64 product."""
+def check(head: nn.Linear, sides: dict[str, SharedWeightLinear], x: torch.Tensor) -> str:
+    """Every side within bfloat16's rounding of the float64 product."""
     exact = x.double() @ head.weight.double().T
     scale = exact.abs().max().item()
-    for name, got in (("F.linear", head(x)), ("SharedWeightLinear", ours(x))):
-        err = (got.double() - exact).abs().max().item() / scale
+    for name, layer in {"F.linear": head, **sides}.items():
+        err = (layer(x).double() - exact).abs().max().item() / scale
         if err > 2e-2:  # bfloat16 keeps 8 bits of mantissa
             return f"FAILED: {name} is off by {err:.2e} of the largest logit"
     return "ok"
@@ -42,27 +43,32 @@ def run(vocab: int, hidden: int, repeats: int, batches: tuple[int, ...] = BATCHE
     head = nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         head.weight.copy_(torch.randn(vocab, hidden, generator=gen) / hidden**0.5)
-    ours = SharedWeightLinear(head, gemv=True)
+    sides = {k: SharedWeightLinear(head, one_row=k) for k in ("onednn", "torch")}
     weight_gb = vocab * hidden * 2 / 1e9
     lines = [
         f"tied output head: vocabulary {vocab}, hidden {hidden}, bfloat16, "
         f"{torch.get_num_threads()} threads, best of {repeats}",
-        f"the engine takes {'torch.mv' if gemv_reads_faster() else 'F.linear'} for one row here",
+        f"the engine takes {one_row_kernel()!r} for one row here",
+        "ms of F.linear and of SharedWeightLinear by its one-row kernel (more rows: F.linear)",
         "",
-        f"{'batch':>6}{'F.linear ms':>13}{'ours ms':>9}{'ratio':>8}{'ours GB/s':>11}  check",
+        f"{'batch':>6}{'F.linear':>10}{'onednn':>8}{'torch':>8}{'ratio':>7}{'GB/s':>6}  check",
     ]
     with torch.inference_mode():
         for batch in batches:
             x = torch.randn(batch, hidden, generator=gen).to(torch.bfloat16)
-            status = check(head, ours, x)
-            head(x), ours(x)  # warm up
-            old, new = [], []
-            for _ in range(repeats):  # take turns, so that both see the same machine
-                old.append(best_ms(lambda x=x: head(x), 1))
-                new.append(best_ms(lambda x=x: ours(x), 1))
-            a, b = min(old), min(new)
+            status = check(head, sides, x)
+            layers = [head, *sides.values()]
+            times: list[list[float]] = [[] for _ in layers]
+            for layer in layers:
+                layer(x)  # warm up
+            for _ in range(repeats):  # take turns, so that all see the same machine
+                for layer, took in zip(layers, times):
+                    took.append(best_ms(lambda layer=layer, x=x: layer(x), 1))
+            a, b, c = (min(t) for t in times)
+            best = min(b, c)
             lines.append(
-                f"{batch:>6}{a:13.2f}{b:9.2f}{a / b:7.2f}x{weight_gb / (b / 1e3):11.1f}  {status}"
+                f"{batch:>6}{a:10.2f}{b:8.2f}{c:8.2f}{a / best:6.2f}x"
+                f"{weight_gb / (best / 1e3):6.1f}  {status}"
             )
     return "\n".join(lines)
 

@@ -54,20 +54,20 @@ class Tiny(nn.Module):
         self.head.weight = self.embed.weight  # tied, as many small models are
 
 
-@pytest.mark.parametrize("gemv", [True, False], ids=["mv", "linear"])
+@pytest.mark.parametrize("one_row", ["onednn", "torch", "linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 96), (7, 96), (3, 5, 96), (1, 1, 96)])
-def test_weight_major_linear_matches_the_float64_product(gemv, dtype, bias, shape) -> None:
+def test_weight_major_linear_matches_the_float64_product(one_row, dtype, bias, shape) -> None:
     """Fresh random inputs each run, against the float64 product: one row goes
-    through torch.mv where the CPU reads faster that way (gemv), else through
-    F.linear, as more rows always do."""
+    through torch.mv, by oneDNN or by torch's own kernel, or through F.linear, as
+    more rows always do."""
     gen = torch.Generator().manual_seed(torch.seed())
     linear = nn.Linear(96, 200, bias=bias).to(dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(200, 96, generator=gen))
     x = torch.randn(shape, generator=gen).to(dtype)
-    got = SharedWeightLinear(linear, gemv=gemv)(x)
+    got = SharedWeightLinear(linear, one_row=one_row)(x)
     expected = x.double() @ linear.weight.double().T
     if bias:
         expected = expected + linear.bias.double()
@@ -97,11 +97,19 @@ def test_pack_linears_replaces_weights_and_skips_tied_ones(dtype) -> None:
     assert len(packed) == 2 and all(p is not up for p in model.parameters())  # not kept twice
 
 
-@pytest.mark.parametrize(("gemv", "rows", "calls"), [(True, 1, 1), (False, 1, 0), (True, 2, 0)])
-def test_one_row_takes_torch_mv_only_where_it_reads_faster(monkeypatch, gemv, rows, calls) -> None:
+@pytest.mark.parametrize(
+    ("one_row", "rows", "calls"),
+    [("onednn", 1, [True]), ("torch", 1, [False]), ("linear", 1, []), ("torch", 2, [])],
+)
+def test_one_row_takes_torch_mv_by_the_kernel_chosen(monkeypatch, one_row, rows, calls) -> None:
+    """One row goes through torch.mv, with oneDNN on or (torch's own GEMV) off for
+    that call alone; more rows, or "linear", never call it."""
     seen = []
     mv = torch.mv
-    monkeypatch.setattr(torch, "mv", lambda *a: seen.append(1) or mv(*a))
+    monkeypatch.setattr(
+        torch, "mv", lambda *a: seen.append(torch.backends.mkldnn.enabled) or mv(*a)
+    )
     linear = nn.Linear(16, 40, bias=False).to(torch.bfloat16)
-    SharedWeightLinear(linear, gemv=gemv)(torch.randn(rows, 16).to(torch.bfloat16))
-    assert len(seen) == calls
+    SharedWeightLinear(linear, one_row=one_row)(torch.randn(rows, 16).to(torch.bfloat16))
+    assert seen == calls
+    assert torch.backends.mkldnn.enabled  # switched back on
