@@ -9,8 +9,10 @@ engine's PackedLinear), DeepSeek FP8 with 128 x 128 block scales (the engine's
 Fp8Linear: the C++ operator up to 16 tokens, else row tiles dequantized by torch
 then F.linear; and the tiles alone), torch._scaled_mm (FP8
 activations too, one scale per tensor: the only FP8 GEMM torch has on a CPU; not
-what a block-scaled checkpoint needs, shown for scale), int8 (aten
-_weight_int8pack_mm) and int4 (aten _weight_int4pack_mm_for_cpu). It prints each
+what a block-scaled checkpoint needs, shown for scale), int8 (the engine's
+int8_linear: one row through its C++ operator, more through aten
+_weight_int8pack_mm; and aten's alone) and int4 (aten
+_weight_int4pack_mm_for_cpu). It prints each
 time, its ratio to packed bf16 and the weight bytes read per second. One run, on
 whatever else the machine is doing: read the ratios. Not part of `make test`.
 """
@@ -78,7 +80,8 @@ def formats(w: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], ob
             lambda: torch._scaled_mm(x8, q8.T, one, one, out_dtype=torch.bfloat16),
             w.numel(),
         ),
-        "int8": (lambda: int8_linear(x, i8, s8), w.numel()),
+        "int8 (engine)": (lambda: int8_linear(x, i8, s8), w.numel()),
+        "int8 aten": (lambda: torch.ops.aten._weight_int8pack_mm(x, i8, s8), w.numel()),
         "int4": (lambda: int4_linear(x, i4p, i4t), w.numel() / 2 + i4t.numel() * 2),
     }
 

@@ -88,6 +88,32 @@ def test_int8_and_int4_kernels_match_float64(shape, tokens, dtype) -> None:
         assert ((y.double() - exact).abs() <= bound + 1e-6).all(), method
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2, 9])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 15), (17, 33), (40, 100), (24, 1024)], ids=str)
+def test_the_int8_operator_matches_float64(shape, tokens, dtype) -> None:
+    """engine/csrc/int8_linear.cpp on fresh random inputs: columns that end
+    between vectors, more activation rows than one pass takes (8), a zero row,
+    and scales from tiny to huge; within float32's rounding of the float64 sum."""
+    from engine import csrc
+
+    if not csrc.load():
+        pytest.skip("the C++ operators could not be built here")
+    g = torch.Generator().manual_seed(torch.seed())
+    w = torch.randn(shape, generator=g) * torch.logspace(-20, 20, shape[0])[:, None]
+    w[0] = 0
+    q, scales = int8_quantize(w, torch.float32)
+    x = torch.randn(tokens, shape[1], generator=g).to(dtype)
+    y = torch.ops.deepinfer.int8_gemv(x, q, scales)
+    exact = x.double() @ int8_dequantize(q, scales).double().T
+    bound = (x.double().abs() @ int8_dequantize(q, scales).double().abs().T) * (
+        (shape[1] + 2) * 2.0**-24 if dtype == torch.float32 else 2.0**-8
+    )
+    assert y.dtype == dtype and y.shape == (tokens, shape[0])
+    assert ((y.double() - exact).abs() <= bound).all()
+    assert not y[:, 0].any()
+
+
 MAX_TOKENS = 12
 PROMPTS = random_prompts(4, seed=81)
 

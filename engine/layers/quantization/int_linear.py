@@ -14,6 +14,7 @@ from engine.layers.quantization.int_weight import (
     int4_pack,
     int4_quantize,
     int8_linear,
+    int8_linear_op,
     int8_quantize,
 )
 
@@ -42,7 +43,8 @@ class Int8Linear(nn.Module):
         return head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+        multiply = int8_linear_op if torch.compiler.is_compiling() else int8_linear
+        y = multiply(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
