@@ -289,3 +289,17 @@ def test_one_draft_runs_the_module_once_and_no_rows_nothing() -> None:
     )
     assert drafts.shape == (0, 1) and drafts.dtype == torch.int64 and len(module.runs) == 2
     assert list(p.held) == ["a"]
+
+
+def test_a_chained_draft_gets_a_scratch_block_exactly_when_it_starts_a_block() -> None:
+    module = Module()
+    p = MTPProposer(module, pool(), Backend(), k=2, max_num_seqs=2)
+    # d's draft 2 lands at position 3, the end of its block; e's at 4, past its blocks.
+    items = [item("d", 2, 1, True, table=[30]), item("e", 3, 1, True, table=[31])]
+    hidden, ids = torch.tensor([[10.0], [20.0]]), torch.tensor([1, 2])
+    drafts = p.propose(items, ids, hidden, torch.tensor([3, 4]), None)
+    assert drafts.tolist() == [[15, 31], [27, 55]]
+    chained = module.runs[1]
+    assert chained[:3] == ([3, 4], [13, 24], [15, 27])
+    assert chained[3].block_tables.tolist() == [[30, -1], [31, 11]]  # e's scratch: 10 + 1
+    assert chained[3].slot_mapping.tolist() == [123, 44]
