@@ -23,11 +23,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec16.h"
+
 namespace {
 
-using f32x16 = float __attribute__((vector_size(64)));
-using u32x16 = uint32_t __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+using namespace deepinfer_vec16;
+
 constexpr int64_t kGroup = 32;  // columns that share a scale
 constexpr int64_t kRows = 4;    // activation rows multiplied per pass over the weight rows
 constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -70,12 +71,6 @@ inline float scale_of(const uint8_t* scales, bool e8m0, int64_t g) {
   float s;
   std::memcpy(&s, &bits, sizeof s);
   return s;
-}
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
 }
 
 // R rows of x (float32, K apart) times W consecutive packed weight rows (K / 2

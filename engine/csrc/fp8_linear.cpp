@@ -27,13 +27,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec16.h"
+
 namespace {
 
-using f32x16 = float __attribute__((vector_size(64)));
+using namespace deepinfer_vec16;
+
 using i32x16 = int32_t __attribute__((vector_size(64)));
-using u32x16 = uint32_t __attribute__((vector_size(64)));
 using u8x16 = uint8_t __attribute__((vector_size(16)));
-constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 128;  // columns that share a scale
 constexpr int64_t kRows = 8;     // activation rows multiplied per pass over a weight row
 
@@ -67,18 +68,6 @@ inline f32x16 decode16(const uint8_t* p) {
 inline float decode1(uint8_t code) {
   uint8_t padded[kLanes] = {code};
   return decode16(padded)[0];
-}
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float sum16(f32x16 v) {
-  float total = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
-  return total;
 }
 
 // R rows of x (float32, K apart) times weight row q, written to out (one float per

@@ -21,11 +21,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec16.h"
+
 namespace {
 
-using f32x16 = float __attribute__((vector_size(64)));
+using namespace deepinfer_vec16;
+
 using i8x16 = int8_t __attribute__((vector_size(16)));
-constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 8;  // activation rows multiplied per pass over a weight row
 
 inline f32x16 widen16(const int8_t* p) {
@@ -37,18 +39,6 @@ inline f32x16 widen16(const int8_t* p) {
   std::memcpy(&bytes, p, sizeof bytes);
   return __builtin_convertvector(bytes, f32x16);
 #endif
-}
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float sum16(f32x16 v) {
-  float total = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
-  return total;
 }
 
 // R rows of x (float32, K apart) times code row q, times its scale, written to out
