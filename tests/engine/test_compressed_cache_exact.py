@@ -46,6 +46,8 @@ def test_a_page_holds_the_larger_of_a_token_block_and_a_row_block() -> None:
     wide_rows = CompressedCacheSpec((CSA, SWA), row_span=64, dtype=torch.float32)
     assert wide_rows.page_numbers(1) == max(1 * 8, 64 // 2 * 3) == 96  # row parts the larger
     assert wide_rows.block_bytes(1) == 96 * 4
+    assert type(wide_rows.page_numbers(1)) is int  # a shape: whole numbers of rows
+    assert wide_rows.allocate(2, 1, torch.device("meta")).pages.shape == (2, 96)
 
 
 def test_each_layers_parts_are_views_at_their_offsets_in_every_page() -> None:
@@ -75,6 +77,14 @@ def test_each_layers_parts_are_views_at_their_offsets_in_every_page() -> None:
     assert swa.rows is None and swa.index_keys is None
     csa.rows[1, 2, 1] = -1.0  # views, not copies
     assert pages[1, 5].item() == -1.0
+    # A second layer's rows follow the first's rows and keys: HCA's 8 / 4 = 2 rows of 2.
+    hca = CompressedAttentionSpec(2, 3, 0, 2, 0, rate=4)
+    _, second = carve(torch.arange(44.0).view(1, 44), (CSA, hca), block_size=4, row_span=8)
+    assert second.rows[0].tolist() == [[12, 13], [14, 15]] and second.index_keys is None
+    assert second.state[0, 0].tolist() == [32, 33, 34]  # after both kv blocks: 24 + 8
+    no_rate = CompressedAttentionSpec(2, 0, 0, 2, 1, rate=0)  # rate 0: no rows, whatever widths
+    [only] = carve(pages, (no_rate,), block_size=4, row_span=8)
+    assert only.rows is None and only.index_keys is None
 
 
 def test_allocate_makes_pages_of_the_spec_and_carves_them() -> None:

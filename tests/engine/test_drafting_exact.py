@@ -62,8 +62,8 @@ def test_a_token_proposer_sees_each_request_grow_and_its_drafts_go_back() -> Non
     drafts.propose(None, None, None)  # another rank: nothing to do
     assert len(proposer.shown) == 2
     drafts.q["b"] = q
-    drafts.forget(["a", "b"])
-    assert drafts.reqs == {} and drafts.q == {} and proposer.forgotten == ["a", "b"]
+    drafts.forget(["a", "b", "never seen"])
+    assert drafts.reqs == {} and drafts.q == {} and proposer.forgotten == ["a", "b", "never seen"]
 
 
 def test_hidden_drafts_on_one_rank_read_rank_0s_tokens_directly() -> None:
@@ -209,6 +209,10 @@ def test_only_drawing_requests_with_a_q_reach_the_rejection_sampler() -> None:
     assert torch.equal(s.probs[0], q_b.float())
     assert torch.equal(s.probs[1, 0], q_c[0]) and not s.probs[1, 1:].any()
     assert s.filters.temperature.tolist() == [0.5, 0.25, 0.125, 2.0, 4.0, 4.0]  # row by row
+    one = batch([[2], [], [3]], [2, 1, 2], ["b", "d", "c"])  # one draft at most: width 1
+    narrow = draft_check(one, rows(params[3:8]), Qs({"b": q_b, "c": q_c}), 4, CPU).sampled
+    assert narrow.index.tolist() == [0, 2] and narrow.rows.tolist() == [[0], [3]]
+    assert narrow.num_drafts.tolist() == [1, 1] and torch.equal(narrow.probs[1, 0], q_c[0])
     meta = torch.device("meta")  # the q go where the rejection sampler runs
     on_meta = draft_check(step, rows(params), Qs({"b": q_b, "c": q_c}), 4, meta).sampled
     assert on_meta.probs.device == meta and on_meta.probs.shape == (2, 3, 4)

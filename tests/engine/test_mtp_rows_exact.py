@@ -69,10 +69,12 @@ def test_metadata_for_rows_that_end_their_context() -> None:
 
 def test_offsets_count_inputs_and_samples() -> None:
     items = [item("a", 0, 5, False), item("b", 9, 3, True, drafts=2), item("c", 4, 1, True)]
+    items.append(item("d", 7, 1, True))
     assert [(i.req_id, o, f) for i, o, f in offsets(items)] == [
         ("a", 0, 0),
         ("b", 5, 0),
         ("c", 8, 3),  # b sampled its token and one after each of its 2 drafts
+        ("d", 9, 4),  # and c one
     ]
 
 
@@ -175,6 +177,7 @@ class Module:
 
     def __init__(self, layers: list[Layer] = ()) -> None:
         self.layers, self.runs, self.weight = list(layers), [], torch.zeros(1)
+        self.backends: list[Backend] = []  # the backend each run's attention would use
 
     def parameters(self):
         yield self.weight
@@ -186,6 +189,7 @@ class Module:
         ctx = get_forward_context()
         run = (positions.tolist(), h[:, 0].tolist(), tokens.tolist(), ctx.meta, ctx.attn_metadata)
         self.runs.append(run)
+        self.backends.append(ctx.backend)
         state = h + tokens[:, None]
         return state + positions[:, None], state
 
@@ -245,6 +249,7 @@ def test_drafts_chain_from_each_requests_last_accepted_row() -> None:
     assert main[3].block_tables.tolist() == [[30, -1], [40, -1], [20, 21]]
     assert main[3].slot_mapping.tolist() == [122, 160, 161, 85, 86, 87]
     assert main[4] == ("built", main[3])
+    assert len(module.backends) == 4 and all(b is backend for b in module.backends)
     # b accepted 1 draft: it drafts on from position 7, c from 3; b's h is row 4's state
     # (40 + 9), c's row 0's (60 + 12). Position 9 is past max_model_len - 1 = 8: held at 8.
     assert [run[:3] for run in chain] == [
