@@ -138,7 +138,7 @@ def test_a_hit_hands_over_whole_spans_and_the_window_it_reads() -> None:
     hits = bm.match_prefix(c.token_ids)
     assert hits == [HOLE, HOLE, 2, 3] and bm.can_admit(hits, 8 + 8)
     assert not bm.can_admit(hits, 8 + 9)
-    with pytest.raises(AssertionError, match="hits come from match_prefix"):
+    with pytest.raises(AssertionError, match="^hits come from match_prefix$"):
         bm.can_admit([HOLE, HOLE, 2, 3], 9)  # an equal list, not the one it returned
 
 
@@ -166,8 +166,37 @@ def test_a_hit_stops_at_the_last_whole_span_its_blocks_allow() -> None:
 
 def test_taking_no_hit_makes_empty_tables() -> None:
     bm = coordinator()
+    before = seq(TOKENS)  # no match asked yet: no hit to take
+    assert bm.can_admit([], 9)
+    bm.take_cached(before, [])
+    assert before.block_tables == [[], []] and before.num_computed_tokens == 0
+    computed(bm, TOKENS)
+    assert bm.match_prefix(TOKENS) == [HOLE, HOLE, 2, 3]  # another request's hit
+    late = seq(TOKENS)  # then no hit: none of that one's blocks or names
+    assert bm.can_admit([], 16) and not bm.can_admit([], 17)  # 8 + 4 fresh of 12 free
+    bm.take_cached(late, [])
+    assert late.block_tables == [[], []] and late.block_hashes == []
+    bm = coordinator()  # nothing cached: the match is empty
     s = seq(TOKENS)
     hits = bm.match_prefix(s.token_ids)
     assert hits == [] and bm.can_admit(hits, 9)
     bm.take_cached(s, hits)
     assert s.block_tables == [[], []] and s.block_hashes == [] and s.num_computed_tokens == 0
+
+
+def test_a_twins_span_block_stays_private_after_the_first_writers_goes() -> None:
+    bm = coordinator(num_blocks=20)
+    a = computed(bm, TOKENS[:4])  # [[0, 1], [2]], published
+    b = computed(bm, TOKENS[:4])  # [[3, 4], [5]]: a twin, left private
+    n = names(TOKENS, 4)
+    bm.free(a)
+    c = seq(list(range(100, 122)))
+    assert bm.allocate(c, 22)  # 11 + 6: every free block, a's cached ones last
+    assert not {n[0], n[1], span(n[1])} & set(bm.cached_blocks)
+    bm.free_tail(c, 12)  # 8 back, unpublished
+    b.token_ids += TOKENS[4:8]
+    assert bm.allocate(b, 8)
+    b.num_computed_tokens = 8
+    bm.cache_full_blocks(b)  # its next span: published; its first stays private
+    assert span(n[3]) in bm.cached_blocks and span(n[1]) not in bm.cached_blocks
+    assert bm.blocks[5].hash is None
