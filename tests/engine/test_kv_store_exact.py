@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv.store import DiskStore, RedisStore, StoreStats, frame, open_store
+from engine.kv.store import DiskStore, RedisStore, StoreStats, frame, open_store, redis_store
 from engine.kv.store import disk as disk_module
 from engine.kv.store.entry import HEADER, MAGIC, VERSION, checksum
+from engine.kv.store.redis_store import without_password
 
 
 def key(i: int | str) -> bytes:
@@ -283,3 +284,21 @@ def test_a_hung_redis_costs_one_try_and_one_retry_of_timeout_s_each(hangs: str) 
     assert 2.0 <= time.perf_counter() - start < 2.9
     for s in [*waiting, listener]:
         s.close()
+
+
+def test_redis_seconds_come_from_the_store_clock(redis_server, monkeypatch) -> None:
+    store = RedisStore(redis_server.url)
+    monkeypatch.setattr(redis_store, "time", Ticks())
+    store.put(key(1), entry(50))
+    store.get(key(1))
+    store.get(key(2))
+    s = store.stats
+    assert (s.write_seconds, s.read_seconds, s.hits, s.misses) == (1.0, 2.0, 1, 1)
+    assert s.bytes_written == s.bytes_read == 50 - HEADER.size
+    store.close()
+
+
+def test_a_redis_url_in_a_log_hides_its_whole_password() -> None:
+    assert without_password("redis://h:1/0") == "redis://h:1/0"
+    assert without_password("redis://:pw@h:1/0") == "redis://:***@h:1/0"  # no user: none named
+    assert without_password("redis://u:p@ss@h:1/2") == "redis://u:***@h:1/2"  # an @ in it too
