@@ -162,6 +162,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepinfer, m) { m.def("int8_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
+  m.def("int8_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) { m.impl("int8_gemv", &int8_gemv); }
