@@ -126,13 +126,6 @@ inline __m512i decode32_bf16(const uint8_t* p) {
   return _mm512_or_si512(bits, sign);
 }
 
-inline float bf16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
-
 template <int R>
 void row_times_bf16(const uint16_t* x, int64_t K, const uint8_t* q, const float* scales,
                     float* out, int64_t N) {

@@ -83,13 +83,6 @@ inline __m512bh widen32_bf16(const int8_t* p) {
   return _mm512_cvtne2ps_pbh(hi, lo);  // columns 0-15 from lo, 16-31 from hi
 }
 
-inline float bf16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
-
 template <int R>
 void row_times_bf16(const uint16_t* x, int64_t K, const int8_t* q, float scale, float* out,
                     int64_t N) {
@@ -121,6 +114,21 @@ using RowTimes = void (*)(const float*, int64_t, const int8_t*, float, float*, i
 constexpr RowTimes kRowTimes[kRows] = {row_times<1>, row_times<2>, row_times<3>, row_times<4>,
                                        row_times<5>, row_times<6>, row_times<7>, row_times<8>};
 
+// Every weight row times every activation row, kRows activation rows a pass, the
+// weight rows spread over torch's threads.
+template <typename X, typename Rows>
+void over_rows(const Rows& table, const X* xp, const int8_t* qp, const float* sp, float* op,
+               int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int64_t rows = std::min(kRows, M - m);
+        table[rows - 1](xp + m * K, K, qp + n * K, sp[n], op + m * N + n, N);
+      }
+    }
+  });
+}
+
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scales.dim() == 1, "int8_gemv: x, q 2-d, scales 1-d");
   TORCH_CHECK(q.scalar_type() == at::kChar, "int8_gemv: int8 codes");
@@ -136,27 +144,12 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   if (x.scalar_type() == at::kBFloat16) {
     const at::Tensor xc = x.contiguous();
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        for (int64_t m = 0; m < M; m += kRows) {
-          const int64_t rows = std::min(kRows, M - m);
-          kRowTimesBf16[rows - 1](xp + m * K, K, qp + n * K, sp[n], op + m * N + n, N);
-        }
-      }
-    });
+    over_rows(kRowTimesBf16, xp, qp, sp, op, M, K, N);
     return out.to(x.scalar_type());
   }
 #endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t rows = std::min(kRows, M - m);
-        kRowTimes[rows - 1](xp + m * K, K, qp + n * K, sp[n], op + m * N + n, N);
-      }
-    }
-  });
+  over_rows(kRowTimes, xf.data_ptr<float>(), qp, sp, op, M, K, N);
   return out.to(x.scalar_type());
 }
 
