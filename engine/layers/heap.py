@@ -14,11 +14,21 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
+import torch
+
 
 def trim_heap() -> None:
     """glibc's malloc_trim(0): free heap memory back to the system; elsewhere nothing."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def free_weights(*params: torch.Tensor) -> None:
+    """Give replaced weights' memory back: each keeps its shape (a zero, expanded),
+    since the load's own references to it may outlive the layer; then trim_heap."""
+    for param in params:
+        param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
+    trim_heap()
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.heap import trim_heap
+from engine.layers.heap import free_weights
 
 
 class PackedLinear(nn.Module):
@@ -144,8 +144,7 @@ def pack_linears(model: nn.Module) -> int:
     for parent, name, child in places:  # each old weight is freed as soon as its copy
         if id(child.weight) not in shared:  # is made, and its memory given back
             setattr(parent, name, PackedLinear(child))
-            child.weight.data = torch.zeros((), dtype=child.weight.dtype).expand(child.weight.shape)
-            trim_heap()
+            free_weights(child.weight)
             packed += 1
         elif child.weight.dtype == torch.bfloat16:
             setattr(parent, name, SharedWeightLinear(child))

@@ -19,7 +19,7 @@ from itertools import chain
 import torch
 from torch import nn
 
-from engine.layers.heap import trim_heap
+from engine.layers.heap import free_weights
 from engine.layers.moe import Experts
 from engine.layers.quantization.int_linear import (
     Int8Embedding,
@@ -74,10 +74,7 @@ def quantize_module(model: nn.Module, name: str, method: str) -> None:
         return _quantize_tied(model, name, old)
     new = IntExperts.replacing(old, method) if isinstance(old, Experts) else quantized(old, method)
     _replace(model, name, new)
-    for weight in STACKED if isinstance(old, Experts) else ("weight",):
-        param = getattr(old, weight)
-        param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)  # same shape
-    trim_heap()
+    free_weights(*(getattr(old, w) for w in (STACKED if isinstance(old, Experts) else ("weight",))))
 
 
 def _quantize_tied(model: nn.Module, name: str, old: nn.Embedding) -> None:
@@ -88,8 +85,7 @@ def _quantize_tied(model: nn.Module, name: str, old: nn.Embedding) -> None:
     _replace(model, name, table)
     for head in heads:
         _replace(model, head, Int8Linear.reading(table))
-    old.weight.data = torch.zeros((), dtype=old.weight.dtype).expand(old.weight.shape)
-    trim_heap()
+    free_weights(old.weight)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
