@@ -70,3 +70,12 @@ def check_available(device: torch.device | str) -> None:
             f"{', '.join(stale)} were imported before TRITON_INTERPRET=1 was set, so their kernels "
             "were built for the GPU compiler; set TRITON_INTERPRET=1 before importing triton"
         )
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on `device`: check_available, without its error."""
+    try:
+        check_available(device)
+    except RuntimeError:
+        return False
+    return True

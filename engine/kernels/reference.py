@@ -89,3 +89,31 @@ def rotary_embedding(
     cos, sin = cos_sin_cache[positions].double()[:, None, :].chunk(2, dim=-1)
     x1, x2 = x.double().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepGEMM's per-token FP8 rule, in torch's float32 and its E4M3 cast (round to
+    nearest, ties to even): per group of 128 columns of a row (the last partial),
+    s = max(amax, 1e-4) / 448 and codes = E4M3(x * (1 / s)). Returns the codes
+    [tokens, cols] as float8_e4m3fn and s [tokens, groups] as float32."""
+    groups = x.float().split(128, dim=1)
+    scales = torch.stack([g.abs().amax(dim=1) for g in groups], dim=1).clamp(min=1e-4) / 448.0
+    codes = [(g * (1.0 / scales[:, i, None])).to(torch.float8_e4m3fn) for i, g in enumerate(groups)]
+    return torch.cat(codes, dim=1), scales
+
+
+def fp8_gemm(
+    x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """out[m, n] = sum over K blocks k of (sum_{j in k} a[m, j] * q[n, j]) * (sa[m, k] *
+    row_scales[n, k]), plus bias[n]; a and sa from quantize_per_token(x). In float64,
+    in which each block's sum of code products is exact (products of 4-bit
+    significands between 2^-18 and 2^18, 128 of them, fit 53 bits) and so is the
+    product of two float32 scales."""
+    codes, scales = quantize_per_token(x)
+    a, w = codes.double(), q.double()
+    out = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64, device=x.device)
+    for k in range(scales.shape[1]):
+        part = a[:, k * 128 : (k + 1) * 128] @ w[:, k * 128 : (k + 1) * 128].T
+        out += part * (scales[:, k, None].double() * row_scales[None, :, k].double())
+    return out if bias is None else out + bias.double()

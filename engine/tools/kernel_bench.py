@@ -14,6 +14,10 @@ ceiling measured on the same device rather than a datasheet number:
 * prefill attention is matrix products, so its yardstick is arithmetic:
   causal attention FLOP/s, as a fraction of a large bfloat16 torch.matmul.
 
+A third table times the FP8 GEMM (DeepGEMM's scheme, engine/kernels/fp8_gemm.py)
+on DeepSeek-V3's linear shapes against what an FP8 layer would do without it:
+dequantize the whole weight to bfloat16, then torch's matmul.
+
 Each timing replays a CUDA graph of one call (no Python launch overhead) after
 flushing the L2 cache, and reports the median; inputs are random, never zeros,
 and block tables are shuffled over the whole cache.
@@ -53,6 +57,11 @@ PREFILL_CASES = [
 # Relative error ||out - ref|| / ||ref|| allowed against float64. bfloat16 is
 # looser than one rounding (3.9e-3) because the interpreter truncates to it.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# On a GPU the FP8 GEMM sums each 128-product block on FP8 tensor cores, whose
+# accumulation keeps about 14 bits (DeepSeek-V3 technical report, arXiv:2412.19437,
+# section 3.3.2), not float32's 24; that is why the scheme promotes every 128. So a
+# float32 result is held to 2^-12 there (an estimate, to be confirmed on the GPU).
+GPU_TOLERANCE = {"fp8_gemm": 2.0**-12}
 
 
 # ---------------------------------------------------------------------------- random inputs
@@ -178,12 +187,36 @@ def check_rotary_embedding(device: str, dtype: torch.dtype, tiny: bool) -> float
     )
 
 
+def random_fp8_weight(
+    rows: int, cols: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 codes [rows, cols] over most of E4M3's range, and one float32 scale per
+    128 x 128 block, repeated down its rows (Fp8Linear's layout)."""
+    from engine.layers.quantization.fp8 import expand_block_scales
+
+    q = (torch.randn(rows, cols, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    blocks = (torch.rand(cdiv(rows, 128), cdiv(cols, 128), device=device) + 0.5) * 2.0**-12
+    return q, expand_block_scales(blocks, rows)
+
+
+def check_fp8_gemm(device: str, dtype: torch.dtype, tiny: bool) -> float:
+    from engine.kernels import fp8_gemm
+
+    tokens, rows, cols = (3, 130, 200) if tiny else (100, 2112, 7168)
+    q, row_scales = random_fp8_weight(rows, cols, device)
+    x = torch.randn(tokens, cols, dtype=dtype, device=device)
+    bias = torch.randn(rows, dtype=dtype, device=device)
+    out = fp8_gemm(x, q, row_scales, bias)
+    return rel_err(out, reference.fp8_gemm(x, q, row_scales, bias))
+
+
 CHECKS: dict[str, Callable[[str, torch.dtype, bool], float]] = {
     "store_kvcache": check_store_kvcache,
     "paged_decode_attention": check_decode_attention,
     "paged_prefill_attention": check_prefill_attention,
     "rms_norm + fused_add_rms_norm": check_rms_norm,
     "rotary_embedding": check_rotary_embedding,
+    "fp8_gemm": check_fp8_gemm,
 }
 
 
@@ -194,11 +227,14 @@ def run_checks(device: str, dtypes: tuple[torch.dtype, ...], tiny: bool) -> bool
     for name, check in CHECKS.items():
         for dtype in dtypes:
             err = check(device, dtype, tiny)
-            passed = err <= TOLERANCE[dtype]
+            tolerance = TOLERANCE[dtype]
+            if device != "cpu":
+                tolerance = max(tolerance, GPU_TOLERANCE.get(name, 0.0))
+            passed = err <= tolerance
             ok &= passed
             dtype_name = str(dtype).removeprefix("torch.")
             flag = "" if passed else "  FAILED"
-            print(f"{name:32} {dtype_name:>9} {err:11.2e} {TOLERANCE[dtype]:10.0e}{flag}")
+            print(f"{name:32} {dtype_name:>9} {err:11.2e} {tolerance:10.0e}{flag}")
     return ok
 
 
@@ -330,6 +366,44 @@ def prefill_table(matmul_flop_per_s: float) -> None:
         )
 
 
+# DeepSeek-V3's FP8 linear layers (config.json: hidden 7168, q_lora_rank 1536,
+# kv_lora_rank 512 + rope 64, 128 heads, intermediate 18432): (rows, cols).
+FP8_SHAPES = [(2112, 7168), (24576, 1536), (7168, 16384), (36864, 7168), (7168, 18432)]
+FP8_TOKENS = (1, 16, 128, 1024, 4096)
+
+
+def dequantize_matmul(x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    """An FP8 layer without the FP8 GEMM: the whole weight dequantized to x's dtype, then matmul."""
+    from engine.layers.quantization.fp8 import dequantize_torch
+
+    return torch.nn.functional.linear(x, dequantize_torch(q, row_scales, x.dtype))
+
+
+def fp8_gemm_table(matmul_flop_per_s: float) -> None:
+    """The FP8 GEMM against dequantize_matmul, bfloat16 activations, DeepSeek-V3's shapes."""
+    from engine.kernels import fp8_gemm
+
+    print("\nFP8 GEMM (1 x 128 activation, 128 x 128 weight scales), bf16 activations")
+    print(
+        f"{'rows x cols':>14} {'tokens':>7} {'time us':>9} {'TFLOP/s':>8} {'of matmul':>9} "
+        f"{'deq+mm us':>10} {'speedup':>8}"
+    )
+    for rows, cols in FP8_SHAPES:
+        q, row_scales = random_fp8_weight(rows, cols, "cuda")
+        for tokens in FP8_TOKENS:
+            x = torch.randn(tokens, cols, dtype=torch.bfloat16, device="cuda")
+            ours = time_ms(partial(fp8_gemm, x, q, row_scales, None))
+            theirs = time_ms(partial(dequantize_matmul, x, q, row_scales))
+            flop_per_s = 2 * tokens * rows * cols / (ours / 1e3)
+            print(
+                f"{f'{rows} x {cols}':>14} {tokens:7d} {ours * 1e3:9.1f} "
+                f"{flop_per_s / 1e12:8.1f} {flop_per_s / matmul_flop_per_s:9.0%} "
+                f"{theirs * 1e3:10.1f} {theirs / ours:7.2f}x"
+            )
+        del q, row_scales
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------- entry point
 
 
@@ -444,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bf16 matmul 8192^3: {matmul_flop_per_s / 1e12:.0f} TFLOP/s")
     decode_table(copy_bytes_per_s)
     prefill_table(matmul_flop_per_s)
+    fp8_gemm_table(matmul_flop_per_s)
     if not args.kernels_only:
         end_to_end()
     print(f"\n{time.perf_counter() - started:.0f} s in all")

@@ -535,6 +535,9 @@ K.fused_add_rms_norm(x, x, x[0], 1e-6)
 q = torch.randn(3, 8, 128).to(torch.bfloat16)
 K.rotary_embedding(torch.arange(3), q, q[:, :2], torch.randn(10, 128))
 K.store_kvcache(q[:, :2], q[:, :2], k_cache.to(torch.bfloat16), k_cache.to(torch.bfloat16), torch.arange(3))
+w = torch.zeros(200, 4096, dtype=torch.float8_e4m3fn)
+K.fp8_gemm(x, w, torch.ones(200, 32), x[0, :200], fp8_dot=True)  # FP8 tensor cores
+K.fp8_gemm(x, w, torch.ones(200, 32), None, fp8_dot=False)  # codes widened to bfloat16
 
 # What JITFunction.run does before compiling, with an H100/H200 target instead
 # of the (absent) current device: the same signature, constants and
@@ -562,7 +565,7 @@ def test_kernels_compile_for_sm90(tmp_path) -> None:
     proc = run_python(COMPILE_FOR_SM90, env)
     if proc.returncode != 0 and "ImportError" in proc.stderr and "triton" in proc.stderr:
         pytest.skip(f"this Triton lacks the APIs the check uses:\n{proc.stderr[-2000:]}")
-    assert proc.returncode == 0 and "compiled 13" in proc.stdout, proc.stdout + proc.stderr[-5000:]
+    assert proc.returncode == 0 and "compiled 17" in proc.stdout, proc.stdout + proc.stderr[-5000:]
 
 
 # ---------------------------------------------------------------------------- the bench
