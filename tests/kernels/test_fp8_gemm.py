@@ -17,7 +17,7 @@ from tests.kernels.test_kernels import poison, seed  # noqa: F401
 
 # isort: split
 from engine.kernels import fp8_gemm, quantize_per_token, reference
-from engine.layers.quantization.fp8 import FP8, expand_block_scales
+from engine.layers.quantization.fp8 import FP8, Fp8Linear, expand_block_scales
 from tests.kernels.test_fp8_linear import random_fp8
 
 pytestmark = pytest.mark.triton
@@ -174,3 +174,27 @@ def test_no_tokens_and_bad_input() -> None:
         fp8_gemm(torch.zeros(2, 130), q.float(), row_scales, None)
     with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
         fp8_gemm(torch.zeros(2, 130), q, row_scales, torch.zeros(5))
+
+
+# ---------------------------------------------------------------------------- the layer
+
+
+def test_fp8_linear_runs_the_gemm_where_told(monkeypatch, seed: int) -> None:  # noqa: F811
+    """Fp8Linear.forward takes the Triton GEMM when uses_triton_gemm says so (on CUDA with
+    Triton; here forced, on the interpreter), with its leading dimensions and bias; on a
+    CPU it never does."""
+    import engine.layers.quantization.fp8 as fp8
+
+    assert not fp8.uses_triton_gemm(torch.device("cpu"))
+    layer = Fp8Linear(200, 150, torch.nn.Parameter(torch.randn(150), requires_grad=False))
+    layer.weight.data = weight(150, 200)
+    layer.weight_scale_inv.data = block_scales(150, 200, -10, -6)
+    calls = []
+    monkeypatch.setattr(fp8, "uses_triton_gemm", lambda device: calls.append(device) or True)
+    x = torch.randn(2, 3, 200)
+    y = layer(x)
+    assert calls and y.shape == (2, 3, 150)
+    flat = x.reshape(6, 200)
+    ref = reference.fp8_gemm(flat, layer.weight, layer.weight_scale_inv, layer.bias)
+    allowed = bound(flat, layer.weight, layer.weight_scale_inv, layer.bias)
+    assert ((y.reshape(6, 150).double() - ref).abs() <= allowed).all(), f"seed={seed}"

@@ -6,12 +6,12 @@ as DeepSeek's own weight_dequant computes it (deepseek-ai/DeepSeek-V3,
 inference/kernel.py). A weight whose rows or columns are not a multiple of 128
 ends in a partial block, which has a scale of its own all the same.
 
-The engine keeps Q and the scales, a byte a weight, and multiplies by
-dequantizing one tile of rows at a time into the activations' dtype: the whole
-matrix is never in full precision at once. The scales are kept one row per
-weight row (each block's scale repeated down its rows), so that fused layers
-(q, k and v in one matrix) can stack checkpoint tensors whose row counts are not
-multiples of 128; that costs 4 bytes per 128 weights.
+The engine keeps Q and the scales, a byte a weight. A CPU multiplies by dequantizing
+tiles of rows into the activations' dtype (the whole matrix is never in full precision
+at once); CUDA with Triton runs DeepGEMM's scheme (engine/kernels/fp8_gemm.py). The
+scales are kept one row per weight row (each block's scale repeated down its rows), so
+that fused layers (q, k and v in one matrix) can stack checkpoint tensors whose row
+counts are not multiples of 128; that costs 4 bytes per 128 weights.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def fp8_tiled_linear(
 def fp8_linear_op(
     x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """fp8_linear, opaque to torch.compile: its tile loop is sized on the host."""
-    return fp8_linear(x, q, row_scales, bias)
+    """fp8_forward, opaque to torch.compile: tile loops and launches sized on the host."""
+    return fp8_forward(x, q, row_scales, bias)
 
 
 @fp8_linear_op.register_fake
@@ -116,7 +116,7 @@ class Fp8Linear(nn.Module):
         if torch.compiler.is_compiling():
             y = torch.ops.deepinfer.fp8_linear(flat, self.weight, self.weight_scale_inv, self.bias)
         else:
-            y = fp8_linear(flat, self.weight, self.weight_scale_inv, self.bias)
+            y = fp8_forward(flat, self.weight, self.weight_scale_inv, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -124,3 +124,25 @@ def expand_block_scales(scales: torch.Tensor, rows: int) -> torch.Tensor:
     """A checkpoint's [ceil(rows / 128), ceil(cols / 128)] block scales as one row
     of scales per weight row."""
     return scales.repeat_interleave(BLOCK, dim=0)[:rows].contiguous()
+
+
+def uses_triton_gemm(device: torch.device) -> bool:
+    """Whether a layer on `device` runs the Triton FP8 GEMM: on CUDA, with Triton.
+    (Imported here, so that a CPU process never imports Triton for this.)"""
+    if device.type != "cuda":
+        return False
+    from engine.kernels.availability import available
+
+    return available(device)
+
+
+def fp8_forward(
+    x: torch.Tensor, q: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The layer's product: the Triton FP8 GEMM (DeepGEMM's scheme) where
+    uses_triton_gemm, else fp8_linear."""
+    if uses_triton_gemm(x.device):
+        from engine.kernels.fp8_gemm import fp8_gemm
+
+        return fp8_gemm(x, q, row_scales, bias)
+    return fp8_linear(x, q, row_scales, bias)
