@@ -6,13 +6,20 @@ where they can be, so that a value off by one, or two sizes swapped, shows."""
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from engine.config.cache_groups import KVCacheGroups, SpanGroup
 from engine.config.kv_format import FORMATS
 from engine.kv.kv_cache import (
     LATENT_GROUP,
     FullAttentionSpec,
+    KVBlocks,
+    KVCacheConfig,
+    KVCachePool,
     LatentKV,
     MLACacheSpec,
     PagedKV,
@@ -339,3 +346,335 @@ def test_block_bytes_are_whole_numbers() -> None:
         MLACacheSpec(384, 7, torch.bfloat16, FP8).block_bytes(5),
     ]
     assert [type(n) for n in sizes] == [int] * 4
+
+
+# The pool (issue 49): its sizing, where it binds each layer's cache, which blocks
+# it zeroes, and the blocks it copies out and back. The pool reads these fields of
+# an EngineConfig; a stand-in holds them, so each sizing rule is set by hand.
+def pool_config(**fields) -> SimpleNamespace:
+    hf = SimpleNamespace(max_position_embeddings=fields.pop("max_pos", 1000))
+    block_size = fields.pop("block_size", 3)
+    spans = fields.pop("spans", ())
+    config = SimpleNamespace(
+        block_size=block_size,
+        dtype=torch.float32,
+        kv_cache_dtype="auto",
+        num_kv_blocks=7,
+        max_model_len=None,
+        max_num_seqs=4,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_fraction=None,
+        kv_window=None,
+        hf_config=hf,
+    )
+    for name, value in fields.items():
+        assert hasattr(config, name), name
+        setattr(config, name, value)
+    config.kv_cache_groups = KVCacheGroups(block_size, spans=tuple(map(SpanGroup, spans)))
+    return config
+
+
+class Layer:
+    """An attention layer as the pool sees it, noting the dtype it was asked for."""
+
+    def __init__(self, spec) -> None:
+        self.spec, self.kv_cache, self.asked = spec, None, []
+
+    def kv_cache_spec(self, dtype: torch.dtype):
+        self.asked.append(dtype)
+        return self.spec
+
+
+# 2 heads of 5 numbers (2 x 3 x 2 x 5 x 4 = 240 bytes a block of 3 in float32),
+# and a latent of 11 numbers with a rotary key of 2 (3 x 13 x 4 = 156 bytes).
+FULL, LATENT = FullAttentionSpec(2, 5, torch.float32), MLACacheSpec(11, 2, torch.float32)
+
+
+def make_pool(device: torch.device = CPU, specs=(FULL, LATENT), **fields) -> KVCachePool:
+    layers = [Layer(spec) for spec in specs]
+    return KVCachePool(pool_config(**fields), layers, device)
+
+
+def numbered(pool: KVCachePool) -> None:
+    """Every byte of every tensor set to its index mod 251 plus 1 (never 0), so
+    that each block's bytes differ from every other's and from zeros."""
+    for layer in pool.layers:
+        for t in layer.kv_cache.tensors():
+            raw = as_bytes(t).view(-1) if t.element_size() == 1 else t.view(-1)
+            raw.copy_(torch.arange(raw.numel()) % 251 + 1)
+
+
+def test_the_pool_binds_each_layer_its_cache_at_the_pools_size() -> None:
+    pool = make_pool()
+    assert pool.block_size == 3 and pool.num_blocks == 7
+    assert pool.max_model_len == 21  # 7 blocks of 3, below the checkpoint's 1000
+    assert pool.kv_cache_config() == KVCacheConfig(7, 3, 21)
+    assert pool.specs == [FULL, LATENT] and pool.block_bytes() == 240 + 156
+    assert [layer.asked for layer in pool.layers] == [[torch.float32], [torch.float32]]
+    first, second = (layer.kv_cache for layer in pool.layers)
+    assert first.k.shape == (7, 3, 2, 5) and second.rows.shape == (7, 3, 13)
+    assert pool.num_touched_blocks == 0  # the CPU's pool is zeroed as blocks are first used
+
+
+def test_a_quantized_pool_quantizes_every_layers_spec() -> None:
+    pool = make_pool(specs=(FULL,), kv_cache_dtype="int8")
+    assert pool.specs == [FullAttentionSpec(2, 5, torch.float32, INT8)]
+    assert pool.block_bytes() == 2 * 3 * 2 * (5 + 4)  # a code each, a scale a head
+    cache = pool.layers[0].kv_cache
+    assert cache.k.dtype == torch.int8 and cache.k_scale.shape == (7, 3, 2)
+
+
+def test_a_pool_off_the_cpu_is_zeroed_whole_at_once() -> None:
+    """A GPU's memory is reserved as it is allocated; the meta device stands in."""
+    pool = make_pool(torch.device("meta"))
+    assert pool.num_touched_blocks == 7
+    tensors = [t for layer in pool.layers for t in layer.kv_cache.tensors()]
+    assert len(tensors) == 3 and all(t.device.type == "meta" for t in tensors)
+
+
+def test_blocks_read_on_the_host_are_written_onto_the_pools_device() -> None:
+    data = make_pool().read_blocks([1, 2])
+    meta = make_pool(torch.device("meta"))
+    meta.write_blocks([3, 0], data)  # index and rows moved to the meta device, or it refuses
+    assert meta.layers[1].kv_cache.rows.device.type == "meta"
+
+
+def test_a_pool_of_one_single_tensor_cache_reads_and_writes() -> None:
+    pool = make_pool(specs=(LATENT,))
+    pool.touch(7)
+    numbered(pool)
+    data = pool.read_blocks([6, 0])
+    assert [len(copies) for copies in data.layers] == [1]
+    pool.write_blocks([1, 5], data)
+    rows = pool.layers[0].kv_cache.rows
+    assert torch.equal(rows[5], rows[0]) and torch.equal(rows[1], rows[6])
+
+
+def test_a_pool_of_no_layers_holds_blocks_of_nothing() -> None:
+    pool = make_pool(specs=())
+    assert pool.block_bytes() == 0 and pool.num_blocks == 7
+    data = pool.read_blocks([0, 6])
+    assert data.layers == [] and data.num_blocks == 0 and pool.num_touched_blocks == 7
+    pool.write_blocks([2], data)
+
+
+def test_touch_zeroes_only_the_blocks_not_yet_touched() -> None:
+    pool = make_pool()
+    numbered(pool)
+    pool.touch(2)
+    assert pool.num_touched_blocks == 2
+    numbered(pool)
+    pool.touch(5)  # blocks 2, 3 and 4: 0 and 1 were zeroed already
+    assert pool.num_touched_blocks == 5
+    assert zeroed_blocks(pool) == [0, 0, 1, 1, 1, 0, 0]
+    pool.touch(4)  # fewer than touched: nothing
+    assert pool.num_touched_blocks == 5
+    pool.touch(100)  # past the pool: up to its end
+    assert pool.num_touched_blocks == 7
+    assert zeroed_blocks(pool) == [0, 0, 1, 1, 1, 1, 1]
+
+
+def zeroed_blocks(pool: KVCachePool) -> list[int]:
+    """1 for each block all zeros in every tensor of every layer, 0 for each block
+    with no zero byte in any (numbered), and an AssertionError for any other."""
+    tensors = [as_bytes(t) for layer in pool.layers for t in layer.kv_cache.tensors()]
+    zero = [{int(t[b].count_nonzero() == 0) for t in tensors} for b in range(pool.num_blocks)]
+    full = [
+        {int(t[b].count_nonzero() == t[b].numel()) for t in tensors} for b in range(pool.num_blocks)
+    ]
+    assert all(len(z) == 1 and z != f for z, f in zip(zero, full)), (zero, full)
+    return [z.pop() for z in zero]
+
+
+def test_forget_touched_has_each_block_zeroed_again() -> None:
+    pool = make_pool()
+    pool.touch(7)
+    numbered(pool)
+    pool.forget_touched()
+    assert pool.num_touched_blocks == 0
+    pool.touch(1)
+    cache = pool.layers[0].kv_cache
+    assert cache.k[0].count_nonzero() == 0 and cache.k[1].count_nonzero() == 30
+
+
+def test_read_blocks_copies_each_tensors_blocks_in_the_order_given() -> None:
+    pool = make_pool(specs=(FULL, FullAttentionSpec(2, 5, torch.float32, FP8)))
+    pool.touch(7)
+    numbered(pool)
+    data = pool.read_blocks([5, 2, 6])
+    assert data.num_blocks == 3 and data.nbytes() == 3 * pool.block_bytes() == 3 * (240 + 108)
+    for layer, copies in zip(pool.layers, data.layers, strict=True):
+        tensors = layer.kv_cache.tensors()
+        assert len(copies) == len(tensors)
+        for t, rows in zip(tensors, copies):
+            assert rows.dtype == t.dtype and rows.device == CPU
+            assert torch.equal(as_bytes(rows), as_bytes(t)[[5, 2, 6]])
+            assert rows.data_ptr() != t.data_ptr()  # a copy
+
+
+def test_read_blocks_zeroes_blocks_never_used_first() -> None:
+    pool = make_pool()
+    numbered(pool)  # what the memory held before
+    data = pool.read_blocks([4, 1])
+    assert pool.num_touched_blocks == 5  # up to the last block read
+    assert all(rows.count_nonzero() == 0 for copies in data.layers for rows in copies)
+    assert pool.layers[0].kv_cache.k[5].count_nonzero() == 30  # beyond: left alone
+
+
+def test_no_blocks_read_or_written_touches_nothing() -> None:
+    pool = make_pool()
+    data = pool.read_blocks([])
+    assert pool.num_touched_blocks == 0
+    assert data.num_blocks == 0 and data.nbytes() == 0
+    assert [[tuple(rows.shape) for rows in copies] for copies in data.layers] == [
+        [(0, 3, 2, 5), (0, 3, 2, 5)],
+        [(0, 3, 13)],
+    ]
+    pool.write_blocks([], data)
+    assert pool.num_touched_blocks == 0
+
+
+def test_blocks_of_no_tensors_number_none() -> None:
+    assert KVBlocks([]).num_blocks == 0 and KVBlocks([[], []]).num_blocks == 0
+    assert KVBlocks([[], [torch.zeros(2, 3)]]).num_blocks == 2
+    assert KVBlocks([[torch.zeros(2, 3, dtype=torch.int8)], [torch.zeros(2)]]).nbytes() == 14
+
+
+def test_write_blocks_puts_each_block_where_its_id_says() -> None:
+    source = make_pool()
+    source.touch(7)
+    numbered(source)
+    data = source.read_blocks([1, 6])
+    target = make_pool()
+    target.write_blocks([5, 0], data)
+    assert target.num_touched_blocks == 6  # blocks 0 to 5 count as used now
+    for ours, theirs in zip(target.layers, source.layers):
+        for t, s in zip(ours.kv_cache.tensors(), theirs.kv_cache.tensors()):
+            assert torch.equal(t[5], s[1]) and torch.equal(t[0], s[6])
+            assert t[1:5].count_nonzero() == 0  # zeroed as touched, not written
+
+
+def test_block_ids_are_checked_at_both_ends_of_the_pool() -> None:
+    pool = make_pool()
+    assert pool.read_blocks([0, 6]).num_blocks == 2  # the first and the last block
+    with pytest.raises(ValueError, match=r"^block ids \[7, -1\] are outside this pool's 7 blocks$"):
+        pool.read_blocks([7, 3, -1])
+    data = pool.read_blocks([1, 2])
+    with pytest.raises(
+        ValueError, match=r"^block ids \[4, 4\] repeat: each block can be written once$"
+    ):
+        pool.write_blocks([4, 4], data)
+
+
+def test_data_that_does_not_fit_is_refused_in_so_many_words() -> None:
+    pool = make_pool()
+    data = pool.read_blocks([0, 1])
+    cases = [
+        (KVBlocks(data.layers[:1]), "data has 1 layers; this pool has 2"),
+        (
+            KVBlocks([data.layers[0], data.layers[0]]),
+            "layer 1: data has 2 tensors; this pool has 1",
+        ),
+        (
+            KVBlocks([data.layers[0], [data.layers[1][0][:1]]]),
+            "layer 1 tensor 0: data holds 1 blocks but 2 block ids were given",
+        ),
+        (
+            KVBlocks([data.layers[0], [data.layers[1][0].double()]]),
+            "layer 1 tensor 0: data is (2, 3, 13) torch.float64; "
+            "this pool's blocks are (2, 3, 13) torch.float32",
+        ),
+        (
+            KVBlocks([[data.layers[0][0], data.layers[0][1][:, :2]], data.layers[1]]),
+            "layer 0 tensor 1: data is (2, 2, 2, 5) torch.float32; "
+            "this pool's blocks are (2, 3, 2, 5) torch.float32",
+        ),
+    ]
+    for bad, words in cases:
+        with pytest.raises(ValueError) as refused:
+            pool.write_blocks([3, 4], bad)
+        assert str(refused.value) == words
+    assert pool.num_touched_blocks == 2  # nothing refused was written
+
+
+def fake_sysconf(pages: int, page_size: int):
+    def sysconf(name: str) -> int:
+        return {"SC_AVPHYS_PAGES": pages, "SC_PAGE_SIZE": page_size}[name]
+
+    return sysconf
+
+
+def test_an_unsized_cpu_pool_takes_a_fifth_of_available_memory(monkeypatch) -> None:
+    """(1,000 pages of 4,096 bytes) x 0.2 = 819,200 bytes, in blocks of 240 + 156:
+    2,068 blocks (2,068.7 fit), under 1,000 sequences of 334 blocks each."""
+    monkeypatch.setattr(os, "sysconf", fake_sysconf(1000, 4096))
+    pool = make_pool(num_kv_blocks=None, max_num_seqs=1000)
+    assert pool.num_blocks == 2068
+    half = make_pool(num_kv_blocks=None, max_num_seqs=1000, kv_cache_memory_fraction=0.5)
+    assert half.num_blocks == 5171  # 2,048,000 / 396 = 5,171.7
+
+
+def test_an_unsized_pool_stops_at_what_its_sequences_could_use(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sysconf", fake_sysconf(1000, 4096))
+    assert make_pool(num_kv_blocks=None).num_blocks == 4 * 334  # 4 x ceil(1,000 / 3)
+    capped = make_pool(num_kv_blocks=None, max_model_len=20)
+    assert capped.num_blocks == 4 * 7 and capped.max_model_len == 20  # 4 x ceil(20 / 3)
+    monkeypatch.setattr(os, "sysconf", fake_sysconf(1, 1000))  # 200 bytes: no block fits
+    assert make_pool(num_kv_blocks=None).num_blocks == 1  # one block still
+
+
+def test_an_unsized_gpu_pool_takes_nine_tenths_of_free_memory(monkeypatch) -> None:
+    pool = make_pool(max_num_seqs=1000)
+    asked = []
+
+    def mem_get_info(device: torch.device) -> tuple[int, int]:
+        asked.append(device)
+        return 396_000, 10**9  # free, total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    gpu = torch.device("cuda", 1)
+    assert pool._blocks_that_fit(gpu) == 900  # 396,000 x 0.9 / 396
+    assert asked == [gpu]
+    pool.config.kv_cache_memory_fraction = 0.5
+    assert pool._blocks_that_fit(gpu) == 500
+    pool.config.max_num_seqs = 1
+    assert pool._blocks_that_fit(gpu) == 334
+
+
+def test_max_model_len_is_the_checkpoints_or_the_caches_whichever_is_less() -> None:
+    assert make_pool(max_pos=20).max_model_len == 20  # 7 blocks of 3 hold 21
+    assert make_pool(max_pos=22).max_model_len == 21
+    assert make_pool(max_pos=22, max_model_len=21).max_model_len == 21  # exactly full
+    assert make_pool(max_pos=20, max_model_len=20).max_model_len == 20  # exactly the limit
+    with pytest.raises(ValueError) as past:
+        make_pool(max_pos=20, max_model_len=21)
+    assert str(past.value) == "max_model_len 21 exceeds the model's max_position_embeddings 20"
+    with pytest.raises(ValueError) as too_long:
+        make_pool(max_pos=30, max_model_len=22)
+    assert str(too_long.value) == (
+        "max_model_len 22 does not fit in the KV cache (7 blocks of 3, room for 21 tokens "
+        "of one sequence); raise num_kv_blocks or lower max_model_len"
+    )
+
+
+def test_a_window_lets_one_sequence_run_past_its_blocks() -> None:
+    """Blocks of 4, 5 sinks and a window of 9, a step of 13 tokens: a sequence
+    holds at most 2 + 3 + 4 blocks and 2 for unaligned ends, 11 in all."""
+    window = dict(block_size=4, kv_window=(5, 9), max_num_batched_tokens=13, max_pos=1000)
+    assert make_pool(num_kv_blocks=11, **window)._lone_capacity() == 1000  # the checkpoint's
+    assert make_pool(num_kv_blocks=10, **window)._lone_capacity() == 40  # 10 blocks of 4
+    # A step of the checkpoint's 7 positions when that is below the batch's 13: 2 blocks.
+    short = dict(window, max_pos=7)
+    assert make_pool(num_kv_blocks=9, **short)._lone_capacity() == 7
+    assert make_pool(num_kv_blocks=8, **short)._lone_capacity() == 32
+
+
+def test_span_groups_take_a_block_per_span_on_top_of_the_window() -> None:
+    """Spans of 8 and 12 tokens add 1/8 + 1/12 = 5/24 of a block a token: with 30
+    blocks, 11 of them held, 19 x 24 / 5 = 91.2 tokens, so 91."""
+    window = dict(block_size=4, kv_window=(5, 9), max_num_batched_tokens=13, spans=(8, 12))
+    assert make_pool(num_kv_blocks=30, **window)._lone_capacity() == 91
+    assert make_pool(num_kv_blocks=11, **window)._lone_capacity() == 0
+    assert make_pool(num_kv_blocks=10, **window)._lone_capacity() == 40  # the window never bites
+    one = dict(window, spans=(8,))
+    assert make_pool(num_kv_blocks=30, **one)._lone_capacity() == 152  # 19 x 8
