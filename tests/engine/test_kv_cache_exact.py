@@ -598,8 +598,12 @@ def test_data_that_does_not_fit_is_refused_in_so_many_words() -> None:
 
 
 def fake_sysconf(pages: int, page_size: int):
+    """os.sysconf with the available pages and the page size set; any other name
+    is the machine's."""
+    real, fake = os.sysconf, {"SC_AVPHYS_PAGES": pages, "SC_PAGE_SIZE": page_size}
+
     def sysconf(name: str) -> int:
-        return {"SC_AVPHYS_PAGES": pages, "SC_PAGE_SIZE": page_size}[name]
+        return fake[name] if name in fake else real(name)
 
     return sysconf
 
