@@ -318,7 +318,8 @@ def test_get_routes_ask_the_first_decode_worker_that_answers() -> None:
         asked.append((request.url.host, request.url.path, request.extensions["timeout"]))
         if request.url.host == "d1.test":
             raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(200, json={"path": request.url.path})
+        status = 404 if request.url.path.endswith("/missing") else 200
+        return httpx.Response(status, json={"path": request.url.path})
 
     app, router, _ = pd_app({P1: WHOLE, D1: WHOLE, D2: WHOLE})
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
@@ -335,6 +336,8 @@ def test_get_routes_ask_the_first_decode_worker_that_answers() -> None:
         ("d2.test", "/tokenizer_info"),
     ]
     assert asked[0][2] == {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
+    reply = asyncio.run(get(app, "/v1/models/missing"))  # the worker's status passed on
+    assert (reply.status_code, reply.json()) == (404, {"path": "/v1/models/missing"})
     router.decode[1].healthy = False
     reply = asyncio.run(get(app, "/v1/models"))
     assert reply.status_code == 503
