@@ -22,6 +22,9 @@ it out, in windows of 256 tokens) with the 95% interval of a bootstrap over the
 windows, the interval of its gap to bf16 (the same windows resampled for every
 row), and teacher-forced top-1 agreement with bf16's greedy replies (GEN
 tokens after each of 4 prompts). The FP8 rows run the engine's FP8 layers.
+The same quality table follows for deepinfer-tiny-moe (DeepSeek-V3's shape:
+MLA, a shared expert and routed experts, every one of their linear layers in
+FP8 as DeepSeek ships them), in bf16 and its two FP8 copies.
 torch's int8 and int4 CPU kernels are slow on float32 activations (they are
 made for bfloat16), so the int8 and int4 rows run the weights the engine's own
 quantizer makes (the tied embedding table in int8 under both), dequantized by
@@ -66,6 +69,7 @@ from engine.tools.kv_quality import (
 )
 
 MODEL = Path("snippets/models/deepinfer-tiny")
+MOE = Path("snippets/models/deepinfer-tiny-moe")
 BLOCK, FP8_MAX = 128, 448.0  # DeepSeek's weight_block_size; E4M3's largest value
 FIGURES, BPW_PLACES = 4, 5
 HELDOUT, GEN, CHECK_TOKENS = 4864, 128, 32  # 19 windows of 256 tokens
@@ -96,28 +100,32 @@ def int_weights(w: torch.Tensor, method: str) -> torch.Tensor:
     return int4_dequantize(*int4_quantize(w.float(), int4_group(w.shape[1]), torch.float32))
 
 
-def save(folder: Path, tensors: dict, config: dict) -> Path:
+def save(folder: Path, tensors: dict, config: dict, model: Path = MODEL) -> Path:
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(MODEL / name, folder / name)
+        shutil.copy(model / name, folder / name)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 
-def write_checkpoints(folder: Path) -> dict[str, Path]:
-    """bf16; FP8 with block and with per-tensor scales; int8's and int4's weights."""
-    bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(MODEL / "model.safetensors").items()}
+def write_checkpoints(folder: Path, model: Path = MODEL, ints: bool = True) -> dict[str, Path]:
+    """bf16; FP8 with block and with per-tensor scales; int8's and int4's weights
+    (``ints``)."""
+    bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(model / "model.safetensors").items()}
     linears = [name for name in bf16 if name.endswith("proj.weight")]
-    config = json.loads((MODEL / "config.json").read_text()) | {"dtype": "bfloat16"}
+    config = json.loads((model / "config.json").read_text()) | {"dtype": "bfloat16"}
     quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
     fp8_config = config | {"quantization_config": quantization | {"weight_block_size": [128, 128]}}
-    paths = {"bf16": save(folder / "bf16", bf16, config)}
+    folder.mkdir(exist_ok=True)
+    paths = {"bf16": save(folder / "bf16", bf16, config, model)}
     for label, per_tensor in (("fp8", False), ("fp8 tensor", True)):
         tensors = dict(bf16)
         for name in linears:
             tensors[name], tensors[name + "_scale_inv"] = fp8_blocks(bf16[name], per_tensor)
-        paths[label] = save(folder / label.replace(" ", "-"), tensors, fp8_config)
+        paths[label] = save(folder / label.replace(" ", "-"), tensors, fp8_config, model)
+    if not ints:
+        return paths
     table = "model.embed_tokens.weight"  # tied to the head: int8 under both methods
     for method in ("int8", "int4"):
         tensors = {k: v.float() for k, v in bf16.items()}
@@ -187,12 +195,16 @@ def verdict(low: float, high: float) -> str:
 
 
 QUALITY = (("bf16", "bf16"), ("fp8", "fp8"), ("fp8 tensor", "fp8 tensor"))
+QUALITY_MOE = QUALITY
 QUALITY += (("int8", "int8 weights"), ("int4", "int4 weights"))  # (row, checkpoint)
 
 
-def show_quality(paths: dict[str, Path], results: dict) -> list[list[int]]:
+def show_quality(
+    paths: dict[str, Path], results: dict, model: Path = MODEL, rows: tuple = QUALITY
+) -> list[list[int]]:
+    """The quality table of ``rows``; results keyed by row, after "moe_" for MOE."""
     sizes = Sizes(heldout_tokens=HELDOUT, gen_tokens=GEN)
-    tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     scored = windows(tokenizer.encode(heldout_text()[0]).ids, sizes)
     prompts = [w[: sizes.prompt_len] for w in scored[: sizes.num_prompts]]
     draws = resamples(len(scored))
@@ -200,9 +212,9 @@ def show_quality(paths: dict[str, Path], results: dict) -> list[list[int]]:
     greedy = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     reference: list[list[int]] = []
     first = None
-    print(f"\nquality in float32, {len(scored)} windows of held-out text")
+    print(f"\n{model.name}\nquality in float32, {len(scored)} windows of held-out text")
     print(f"{'format':<11}{'ppl':>6}{f'ppl {LEVEL:.0%}':>14}{'gap':>14}{'forced':>7}")
-    for label, checkpoint in QUALITY:
+    for label, checkpoint in rows:
         llm = engine(paths[checkpoint], "float32")
         scores = window_scores(drive(llm, scored, score).outputs)
         first = first or scores
@@ -215,7 +227,7 @@ def show_quality(paths: dict[str, Path], results: dict) -> list[list[int]]:
         forced = round(forced_agreement(llm, prompts, reference), 3)
         gap = f"{gap_low:+.{places + 1}f}..{gap_high:+.{places + 1}f}"
         print(f"{label:<11}{ppl:>6}{f'{low}..{high}':>14}{gap:>14}{forced:>7.3f}")
-        key = label.replace(" ", "_")
+        key = ("moe_" if model == MOE else "") + label.replace(" ", "_")
         results |= {f"ppl_{key}": ppl, f"ppl_low_{key}": low, f"ppl_high_{key}": high}
         results |= {f"gap_low_{key}": gap_low, f"gap_high_{key}": gap_high}
         results |= {f"gap_says_{key}": verdict(gap_low, gap_high), f"forced_{key}": forced}
@@ -248,8 +260,14 @@ def main() -> dict:
         show_bytes(paths, results)
         prompts = show_quality(paths, results)
         check_int_layers(paths, prompts, results)
-    better = results["forced_fp8"] - results["forced_fp8_tensor"]
-    results["block_vs_tensor"] = "above" if better > 0 else "below" if better < 0 else "equal to"
+        moe = write_checkpoints(Path(folder) / "moe", MOE, ints=False)
+        show_quality(moe, results, MOE, QUALITY_MOE)
+    for key, block, tensor in (
+        ("block_vs_tensor", "forced_fp8", "forced_fp8_tensor"),
+        ("moe_block_vs_tensor", "forced_moe_fp8", "forced_moe_fp8_tensor"),
+    ):
+        better = results[block] - results[tensor]
+        results[key] = "above" if better > 0 else "below" if better < 0 else "equal to"
     return results
 
 
