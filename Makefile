@@ -25,9 +25,13 @@ BIN    := $(VENV)/bin
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist). Two keep `make test` near ten minutes on the
-# two-core CI machine, where one ran it in about seventeen; 0 runs it in-process.
-TEST_WORKERS ?= 2
+# Test processes (pytest-xdist); 0 runs the tests in-process. With two on the
+# two-core CI machine the cores stood idle for a fifth of the run (152% CPU), while
+# tests waited on the servers, engines and browser they start; a third process
+# fills those waits. worksteal: a process that runs out of tests takes some of
+# another's queue, so that the slowest tests do not end the run on one core.
+TEST_WORKERS ?= 3
+TEST_DIST ?= worksteal
 # The browser the site test drives. Point it at another Chromium (GitHub's runners
 # ship /usr/bin/google-chrome) and nothing is installed.
 export CHROMIUM ?= /usr/bin/chromium
@@ -133,7 +137,7 @@ redis:
 	fi
 
 test: $(VENV)/.all $(PYODIDE) chromium redis epubcheck
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist $(TEST_DIST)) $(PYTEST_ARGS)
 
 # mutmut's settings (the modules, the tests) are [tool.mutmut] in pyproject.toml.
 # It keeps its results in mutants/, so a second run redoes only what changed.
