@@ -25,12 +25,12 @@ BIN    := $(VENV)/bin
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist); 0 runs the tests in-process. With two on the
-# two-core CI machine the cores stood idle for a fifth of the run (152% CPU), while
-# tests waited on the servers, engines and browser they start; a third process
-# fills those waits. worksteal: a process that runs out of tests takes some of
-# another's queue, so that the slowest tests do not end the run on one core.
-TEST_WORKERS ?= 3
+# Test processes (pytest-xdist); 0 runs the tests in-process. worksteal: a process
+# that runs out of tests takes some of another's queue, so that the slowest tests
+# do not end the run on one core. On the idle 2-core CI machine, from clean clones,
+# pytest took 19 min 02 s with two processes and the same with three (which used
+# 6% more CPU time), so two.
+TEST_WORKERS ?= 2
 TEST_DIST ?= worksteal
 # The browser the site test drives. Point it at another Chromium (GitHub's runners
 # ship /usr/bin/google-chrome) and nothing is installed.
