@@ -194,15 +194,18 @@ def verdict(low: float, high: float) -> str:
     return "lies above zero" if low > 0 else "lies below zero" if high < 0 else "holds zero"
 
 
-QUALITY = (("bf16", "bf16"), ("fp8", "fp8"), ("fp8 tensor", "fp8 tensor"))
-QUALITY_MOE = QUALITY
-QUALITY += (("int8", "int8 weights"), ("int4", "int4 weights"))  # (row, checkpoint)
+FP8_ROWS = (("bf16", "bf16"), ("fp8", "fp8"), ("fp8 tensor", "fp8 tensor"))  # (row, checkpoint)
+QUALITY = FP8_ROWS + (("int8", "int8 weights"), ("int4", "int4 weights"))
 
 
 def show_quality(
-    paths: dict[str, Path], results: dict, model: Path = MODEL, rows: tuple = QUALITY
+    paths: dict[str, Path],
+    results: dict,
+    model: Path = MODEL,
+    rows: tuple = QUALITY,
+    prefix: str = "",
 ) -> list[list[int]]:
-    """The quality table of ``rows``; results keyed by row, after "moe_" for MOE."""
+    """The quality table of ``rows``; results keyed by ``prefix`` and the row."""
     sizes = Sizes(heldout_tokens=HELDOUT, gen_tokens=GEN)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     scored = windows(tokenizer.encode(heldout_text()[0]).ids, sizes)
@@ -227,7 +230,7 @@ def show_quality(
         forced = round(forced_agreement(llm, prompts, reference), 3)
         gap = f"{gap_low:+.{places + 1}f}..{gap_high:+.{places + 1}f}"
         print(f"{label:<11}{ppl:>6}{f'{low}..{high}':>14}{gap:>14}{forced:>7.3f}")
-        key = ("moe_" if model == MOE else "") + label.replace(" ", "_")
+        key = prefix + label.replace(" ", "_")
         results |= {f"ppl_{key}": ppl, f"ppl_low_{key}": low, f"ppl_high_{key}": high}
         results |= {f"gap_low_{key}": gap_low, f"gap_high_{key}": gap_high}
         results |= {f"gap_says_{key}": verdict(gap_low, gap_high), f"forced_{key}": forced}
@@ -261,7 +264,7 @@ def main() -> dict:
         prompts = show_quality(paths, results)
         check_int_layers(paths, prompts, results)
         moe = write_checkpoints(Path(folder) / "moe", MOE, ints=False)
-        show_quality(moe, results, MOE, QUALITY_MOE)
+        show_quality(moe, results, MOE, FP8_ROWS, "moe_")
     for key, block, tensor in (
         ("block_vs_tensor", "forced_fp8", "forced_fp8_tensor"),
         ("moe_block_vs_tensor", "forced_moe_fp8", "forced_moe_fp8_tensor"),
