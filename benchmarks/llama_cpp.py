@@ -24,7 +24,8 @@ What it does, caching each step under --work (default benchmarks/.work):
    unrelated batch; with --compile-decode, also with compile_decode=True, whose compile
    happens at start-up, outside the timed run; with --autotune, also compiled under
    compile_mode="max-autotune"; with --quantizations, also each weight-only method,
-   quantization="int8" or "int4", in the first dtype); with --transformers, transformers'
+   quantization="int8" or "int4", in the first dtype, and compiled too with
+   --compile-decode); with --transformers, transformers'
    `generate` runs too, warmed up alike. Each side's time covers prefill and decode; its
    peak RSS is the process's own, from the kernel (wait4).
 
@@ -350,9 +351,10 @@ def main() -> None:
     if args.autotune:
         sides += [(f"{short.get(d, d)}+autotune", (ENGINE, d, "autotune", "-")) for d in dtypes]
     for quant in filter(None, args.quantizations.split(",")):
-        sides.append(
-            (f"{short.get(dtypes[0], dtypes[0])} {quant}", (ENGINE, dtypes[0], "0", quant))
-        )
+        first = short.get(dtypes[0], dtypes[0])
+        sides.append((f"{first} {quant}", (ENGINE, dtypes[0], "0", quant)))
+        if args.compile_decode:
+            sides.append((f"{first} {quant}+compile", (ENGINE, dtypes[0], "1", quant)))
     if args.transformers:
         sides.append((f"HF {short.get(dtypes[0], dtypes[0])}", (TRANSFORMERS, dtypes[0])))
 

@@ -68,7 +68,7 @@ def test_quantize_rounds_to_the_nearest_level_of_its_scale(method, shape) -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [1, 5, 20])  # 20: past INT8_GEMV_TOKENS
 @pytest.mark.parametrize("shape", [(16, 64), (48, 160), (96, 384), (32, 1024)], ids=str)
 def test_int8_and_int4_kernels_match_float64(shape, tokens, dtype) -> None:
     g = torch.Generator().manual_seed(torch.seed())
@@ -86,6 +86,24 @@ def test_int8_and_int4_kernels_match_float64(shape, tokens, dtype) -> None:
         )
         assert y.dtype == dtype and y.shape == (tokens, shape[0])
         assert ((y.double() - exact).abs() <= bound + 1e-6).all(), method
+
+
+def test_many_rows_take_the_weight_a_slice_at_a_time(monkeypatch) -> None:
+    """dequantized_linear, with slices of 16 rows over a weight of 40 rows (the
+    last slice partial): every output column within float32's rounding of the
+    float64 product, the tiny-scaled rows as much as the rest."""
+    from engine.layers.quantization import int_weight
+
+    g = torch.Generator().manual_seed(torch.seed())
+    w = torch.randn(40, 96, generator=g) * torch.logspace(-10, 10, 40)[:, None]
+    q, scales = int8_quantize(w, torch.float32)
+    x = torch.randn(24, 96, generator=g)
+    monkeypatch.setattr(int_weight, "DEQUANTIZED_ROWS", 16)
+    y = int_weight.dequantized_linear(x, q, scales)
+    w64 = int8_dequantize(q, scales).double()
+    bound = (x.double().abs() @ w64.abs().T) * (96 + 2) * 2.0**-24
+    assert y.shape == (24, 40) and y.dtype == torch.float32
+    assert ((y.double() - x.double() @ w64.T).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
