@@ -30,7 +30,13 @@ from pathlib import Path
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "fp8_linear.cpp", "fp4_linear.cpp", "int8_linear.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "fp8_linear.cpp",
+        "fp4_linear.cpp",
+        "int8_linear.cpp",
+        "bf16_linear.cpp",
+    )
 ]
 
 

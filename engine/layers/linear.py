@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import csrc
 from engine.layers.heap import free_weights
 
 
@@ -75,32 +76,64 @@ def one_row_kernel() -> OneRow:
     return "onednn" if " amx_bf16" in flags else "torch"
 
 
+FEW_ROWS = 8  # up to this many rows, SharedWeightLinear may take the C++ operator
+
+
+def few_rows_kernel() -> bool:
+    """Does SharedWeightLinear multiply 2 to FEW_ROWS rows by the engine's C++
+    operator (engine/csrc/bf16_linear.cpp) on this CPU? Measured on an AMD EPYC
+    Zen 4 (AVX-512 with bfloat16, no AMX), 2 threads, at Qwen3's 151,936 x
+    1,024 head, in two rounds: 2 rows took 11.0 and 11.3 ms against F.linear's
+    16.4 and 17.2, 4 rows 11.2 and 12.8 against 17.7 and 19.5, 8 rows 15.1 and
+    16.7 against 20.9 and 22.2 (python -m engine.tools.cpu_linear_bench times
+    both). Only such a CPU
+    takes it: with AMX, oneDNN's tiles are unmeasured against it, and without
+    AVX-512's bfloat16 dot product the operator's float32 path is too."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags and " amx_bf16" not in flags and csrc.load()
+
+
 class SharedWeightLinear(nn.Module):
     """nn.Linear for a weight that must stay as it is, because another layer
     shares it (a tied LM head reads the embedding's table). A single row goes
     through torch.mv, W x, with the kernel one_row_kernel() chose for this CPU:
-    both read a row-major weight faster in that order than F.linear does. More
-    rows go through F.linear: W xᵀ would come out transposed, and making it
-    contiguous costs more than it saves."""
+    both read a row-major weight faster in that order than F.linear does. A few
+    rows go through the engine's C++ operator where few_rows_kernel() says so,
+    which reads the weight once for all of them. More rows go through F.linear:
+    W xᵀ would come out transposed, and making it contiguous costs more than it
+    saves."""
 
-    def __init__(self, linear: nn.Linear, one_row: OneRow | None = None) -> None:
-        """``one_row``: how one row is multiplied (default: one_row_kernel())."""
+    def __init__(
+        self, linear: nn.Linear, one_row: OneRow | None = None, few_rows: bool | None = None
+    ) -> None:
+        """``one_row``: how one row is multiplied (default: one_row_kernel());
+        ``few_rows``: whether the C++ operator takes a few (default: few_rows_kernel())."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same parameter: still shared
         self.bias = linear.bias
         self.one_row = one_row_kernel() if one_row is None else one_row
+        self.few_rows = few_rows_kernel() if few_rows is None else few_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        one_row = flat.shape[0] == 1 and not torch.compiler.is_compiling()  # traced: any size
-        if not one_row or self.one_row == "linear":
-            y = F.linear(flat, self.weight, self.bias)
-        else:
+        rows = 0 if torch.compiler.is_compiling() else flat.shape[0]  # traced: any size
+        if rows == 1 and self.one_row != "linear":
             y = gemv(self.weight, flat[0], self.one_row == "onednn").unsqueeze(0)
-            if self.bias is not None:
-                y = y + self.bias
+        elif 1 < rows <= FEW_ROWS and self.few_rows and flat.dtype == torch.bfloat16:
+            y = bf16_gemv(flat, self.weight)
+        else:
+            return F.linear(flat, self.weight, self.bias).reshape(*x.shape[:-1], -1)
+        y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ for a few bfloat16 rows, by engine/csrc/bf16_linear.cpp."""
+    return torch.ops.deepinfer.bf16_gemv(x, weight)
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, onednn: bool) -> torch.Tensor:
