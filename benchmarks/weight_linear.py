@@ -9,11 +9,12 @@ engine's PackedLinear), DeepSeek FP8 with 128 x 128 block scales (the engine's
 Fp8Linear: the C++ operator up to 16 tokens, else row tiles dequantized by torch
 then F.linear; and the tiles alone), torch._scaled_mm (FP8
 activations too, one scale per tensor: the only FP8 GEMM torch has on a CPU; not
-what a block-scaled checkpoint needs, shown for scale), int8 (the engine's
-int8_linear: one row through its C++ operator, more through aten
-_weight_int8pack_mm; and aten's alone) and int4 (aten
-_weight_int4pack_mm_for_cpu). It prints each
-time, its ratio to packed bf16 and the weight bytes read per second. One run, on
+what a block-scaled checkpoint needs, shown for scale), int8 and int4 (the
+engine's int8_linear and int4_linear: up to 16 rows through their C++
+operators, more dequantized a slice at a time, then F.linear; and torch's own
+kernels alone, aten _weight_int8pack_mm and _weight_int4pack_mm_for_cpu, the
+latter on its own layout). It prints each time, its ratio to packed bf16 and
+the weight bytes read per second. One run, on
 whatever else the machine is doing: read the ratios. Not part of `make test`.
 """
 
@@ -66,7 +67,11 @@ def formats(w: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], ob
     q8 = (w.float() / 2.0**-6).clamp(-448, 448).to(FP8)
     scales = expand_block_scales(torch.full((-(-rows // 128), -(-cols // 128)), 2.0**-6), rows)
     i8, s8 = int8_quantize(w, w.dtype)
-    i4p, i4t = int4_pack(*int4_quantize(w, 128, w.dtype), w.dtype)
+    q4, s4 = int4_quantize(w, 128, w.dtype)
+    i4c, i4s = int4_pack(q4, s4, w.dtype)
+    # torch's own layout: codes blocked for its kernel, and a zero point beside each scale
+    i4p = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q4 + 8).to(torch.int32), 1)
+    i4t = torch.stack([s4.T, torch.zeros_like(s4.T)], dim=2).contiguous()
     x8, one = x.float().clamp(-448, 448).to(FP8), torch.tensor(1.0)
     return {
         "bf16 row-major": (lambda: F.linear(x, w), 2 * w.numel()),
@@ -82,7 +87,11 @@ def formats(w: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], ob
         ),
         "int8 (engine)": (lambda: int8_linear(x, i8, s8), w.numel()),
         "int8 aten": (lambda: torch.ops.aten._weight_int8pack_mm(x, i8, s8), w.numel()),
-        "int4": (lambda: int4_linear(x, i4p, i4t), w.numel() / 2 + i4t.numel() * 2),
+        "int4 (engine)": (lambda: int4_linear(x, i4c, i4s), w.numel() / 2 + i4s.numel() * 2),
+        "int4 aten": (
+            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, i4p, 128, i4t),
+            w.numel() / 2 + i4t.numel() * 2,
+        ),
     }
 
 

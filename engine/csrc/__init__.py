@@ -35,6 +35,7 @@ SOURCES = [
         "fp8_linear.cpp",
         "fp4_linear.cpp",
         "int8_linear.cpp",
+        "int4_linear.cpp",
         "bf16_linear.cpp",
     )
 ]

@@ -25,10 +25,9 @@ tokens after each of 4 prompts). The FP8 rows run the engine's FP8 layers.
 The same quality table follows for deepinfer-tiny-moe (DeepSeek-V3's shape:
 MLA, a shared expert and routed experts, every one of their linear layers in
 FP8 as DeepSeek ships them), in bf16 and its two FP8 copies.
-torch's int8 and int4 CPU kernels are slow on float32 activations (they are
-made for bfloat16), so the int8 and int4 rows run the weights the engine's own
-quantizer makes (the tied embedding table in int8 under both), dequantized by
-its own functions, as a float32 checkpoint;
+The int8 and int4 rows run the weights the engine's own quantizer makes (the
+tied embedding table in int8 under both), dequantized by its own functions, as
+a float32 checkpoint, so that the rows score the formats and not the kernels;
 CHECK_TOKENS greedy tokens a prompt then show that the engine's int8 and int4
 layers give the same tokens as those weights. Perplexities are rounded to
 FIGURES significant figures, gaps to one place more, shares to three places.

@@ -25,6 +25,7 @@ from engine.layers.quantization.int_weight import (
     int4_linear,
     int4_pack,
     int4_quantize,
+    int4_unpack,
     int8_dequantize,
     int8_linear,
     int8_quantize,
@@ -89,8 +90,8 @@ def test_int8_and_int4_kernels_match_float64(shape, tokens, dtype) -> None:
 
 
 def test_many_rows_take_the_weight_a_slice_at_a_time(monkeypatch) -> None:
-    """dequantized_linear, with slices of 16 rows over a weight of 40 rows (the
-    last slice partial): every output column within float32's rounding of the
+    """int8_linear's dequantized_linear, with slices of 16 rows over a weight of
+    40 rows (the last slice partial): every output column within float32's rounding of the
     float64 product, the tiny-scaled rows as much as the rest."""
     from engine.layers.quantization import int_weight
 
@@ -99,7 +100,7 @@ def test_many_rows_take_the_weight_a_slice_at_a_time(monkeypatch) -> None:
     q, scales = int8_quantize(w, torch.float32)
     x = torch.randn(24, 96, generator=g)
     monkeypatch.setattr(int_weight, "DEQUANTIZED_ROWS", 16)
-    y = int_weight.dequantized_linear(x, q, scales)
+    y = int_weight.int8_linear(x, q, scales)  # 24 rows: past the C++ operator
     w64 = int8_dequantize(q, scales).double()
     bound = (x.double().abs() @ w64.abs().T) * (96 + 2) * 2.0**-24
     assert y.shape == (24, 40) and y.dtype == torch.float32
@@ -125,6 +126,60 @@ def test_the_int8_operator_matches_float64(shape, tokens, dtype) -> None:
     y = torch.ops.deepinfer.int8_gemv(x, q, scales)
     exact = x.double() @ int8_dequantize(q, scales).double().T
     bound = (x.double().abs() @ int8_dequantize(q, scales).double().abs().T) * (
+        (shape[1] + 2) * 2.0**-24 if dtype == torch.float32 else 2.0**-8
+    )
+    assert y.dtype == dtype and y.shape == (tokens, shape[0])
+    assert ((y.double() - exact).abs() <= bound).all()
+    assert not y[:, 0].any()
+
+
+def test_the_int4_layout_holds_two_codes_a_byte_in_column_order() -> None:
+    """int4_pack's byte i of a row holds columns 2i (low four bits) and 2i + 1
+    (high), as q + 8; int4_unpack gives q back, every code from -8 to 7."""
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 2)  # 3 rows of 32 columns
+    codes, scales = int4_pack(q, torch.ones(3, 1), torch.bfloat16)
+    assert codes.dtype == torch.uint8 and codes.shape == (3, 16)
+    assert codes[0, :8].tolist() == [(2 * i) | ((2 * i + 1) << 4) for i in range(8)]
+    assert torch.equal(int4_unpack(codes), q) and scales.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("cols", "groups"), [(8, 4), (96, 3), (256, 4), (1024, 8), (64, 2)])
+def test_the_int4_dequantize_operator_equals_torchs(dtype, cols, groups) -> None:
+    """engine/csrc/int4_dequantize on fresh random codes and scales (down to
+    subnormal products, groups of 2 columns to 128): bit for bit the weight that
+    int4_dequantize_codes forms with torch, each q times its scale rounded once."""
+    from engine import csrc
+    from engine.layers.quantization.int_weight import int4_dequantize_codes
+
+    if not csrc.load():
+        pytest.skip("the C++ operators could not be built here")
+    g = torch.Generator().manual_seed(torch.seed())
+    codes = torch.randint(0, 256, (37, cols // 2), generator=g, dtype=torch.uint8)
+    scales = (torch.randn(37, groups, generator=g) * torch.logspace(-40, 4, 37)[:, None]).to(dtype)
+    w = torch.ops.deepinfer.int4_dequantize(codes, scales)
+    assert w.dtype == dtype and torch.equal(w, int4_dequantize_codes(codes, scales))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2, 9])
+@pytest.mark.parametrize("shape", [(1, 32), (3, 64), (17, 96), (40, 256), (24, 1024)], ids=str)
+def test_the_int4_operator_matches_float64(shape, tokens, dtype) -> None:
+    """engine/csrc/int4_linear.cpp on fresh random inputs: groups of 32, 64 and
+    128 columns, more activation rows than one pass takes (8), a zero row, and
+    scales from tiny to huge; within float32's rounding of the float64 sum."""
+    from engine import csrc
+
+    if not csrc.load():
+        pytest.skip("the C++ operators could not be built here")
+    g = torch.Generator().manual_seed(torch.seed())
+    w = torch.randn(shape, generator=g) * torch.logspace(-20, 20, shape[0])[:, None]
+    w[0] = 0
+    q, scales = int4_quantize(w, int4_group(shape[1]), torch.float32)
+    x = torch.randn(tokens, shape[1], generator=g).to(dtype)
+    y = torch.ops.deepinfer.int4_gemv(x, *int4_pack(q, scales, torch.float32))
+    exact = x.double() @ int4_dequantize(q, scales).double().T
+    bound = (x.double().abs() @ int4_dequantize(q, scales).double().abs().T) * (
         (shape[1] + 2) * 2.0**-24 if dtype == torch.float32 else 2.0**-8
     )
     assert y.dtype == dtype and y.shape == (tokens, shape[0])
@@ -158,8 +213,7 @@ def quantized_reference(arch: str, path: Path, method: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "deepseek-yarn"])
 def plain(request, tmp_path_factory) -> tuple[str, Path]:
-    """Shapes that torch's int4 layout holds whole (rows in sixteens, rows of 32k);
-    qwen2's head is tied to its embedding table."""
+    """Four architectures; qwen2's head is tied to its embedding table."""
     path = tmp_path_factory.mktemp(request.param) / "model"
     build_checkpoint(request.param, path)
     return request.param, path
@@ -309,7 +363,7 @@ def test_layers_quantized_by_slices_of_rows_equal_the_whole(dtype) -> None:
     layer8 = Int8Linear(linear)
     assert torch.equal(layer8.weight, q8) and torch.equal(layer8.weight_scale, s8)
     assert torch.equal(layer8(x), int8_linear(x, q8, s8) + linear.bias)
-    packed, table = int4_pack(*int4_quantize(linear.weight.detach(), 128, dtype), dtype)
+    codes, s4 = int4_pack(*int4_quantize(linear.weight.detach(), 128, dtype), dtype)
     layer4 = Int4Linear(linear, 128)
-    assert torch.equal(layer4.weight, packed) and torch.equal(layer4.weight_scales_zeros, table)
-    assert torch.equal(layer4(x), int4_linear(x, packed, table) + linear.bias)
+    assert torch.equal(layer4.weight, codes) and torch.equal(layer4.weight_scale, s4)
+    assert torch.equal(layer4(x), int4_linear(x, codes, s4) + linear.bias)

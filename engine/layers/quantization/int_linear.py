@@ -11,6 +11,7 @@ from engine.layers.moe import Experts
 from engine.layers.quantization.int_weight import (
     int4_group,
     int4_linear,
+    int4_linear_op,
     int4_pack,
     int4_quantize,
     int8_linear,
@@ -56,15 +57,15 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         dtype = linear.weight.dtype
-        packed, table = by_rows(
+        codes, scales = by_rows(
             lambda w: int4_pack(*int4_quantize(w, group, dtype), dtype), linear.weight.detach()
         )
-        table = table.transpose(0, 1).contiguous()  # [groups, rows, 2], as torch reads it
-        self.weight, self.weight_scales_zeros = frozen(packed), frozen(table)
+        self.weight, self.weight_scale = frozen(codes), frozen(scales)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int4_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scales_zeros)
+        multiply = int4_linear_op if torch.compiler.is_compiling() else int4_linear
+        y = multiply(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -89,13 +90,10 @@ ROWS = 256  # rows quantized at a time: float32 temporaries of a few rows, not a
 def by_rows(quantize, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize`` over slices of ROWS rows (each row's numbers depend on that row
     alone), each slice's (codes, scales) written into the whole result as it
-    comes, so that the result is never copied: int4's scale table is given as
-    [rows, groups, 2], laid out by row like everything else."""
+    comes, so that the result is never copied."""
     codes = scales = torch.empty(0)
     for r in range(0, w.shape[0], ROWS):
         part, part_scales = quantize(w[r : r + ROWS])
-        if part_scales.dim() == 3:
-            part_scales = part_scales.transpose(0, 1)
         if r == 0:
             codes = part.new_empty(w.shape[0], *part.shape[1:])
             scales = part_scales.new_empty(w.shape[0], *part_scales.shape[1:])
@@ -105,8 +103,8 @@ def by_rows(quantize, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int4_fits(rows: int, cols: int) -> bool:
-    """torch's int4 layout needs rows in sixteens and a group dividing each row."""
-    return rows % 16 == 0 and int4_group(cols) is not None
+    """int4 needs a group dividing each row."""
+    return int4_group(cols) is not None
 
 
 class IntExperts(Experts):

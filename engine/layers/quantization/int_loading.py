@@ -36,7 +36,7 @@ def quantizable(
     model: nn.Module, method: str, dtype: torch.dtype, plain: tuple[str, ...] = ()
 ) -> tuple[dict[str, list[str]], list[str]]:
     """The layers to quantize, each with its weights' parameter names; and those
-    int4's layout cannot hold (rows not in sixteens, or no group dividing a row).
+    int4 cannot hold (no group dividing a row).
     A tied embedding table is one of them (int8 whatever the method). Left as they
     are: an untied output head (as vLLM leaves it), any other layer sharing a
     weight, ``plain`` ones (read by weight), layers in another dtype."""
