@@ -218,7 +218,9 @@ at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 2 == 0, "int4_dequantize: whole groups");
   const at::Tensor cc = codes.contiguous(), sc = scales.contiguous();
   at::Tensor out = at::empty({N, K}, scales.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "int4_dq", [&] {
+  // Not float16: under -ffast-math, c10's float-to-half rounding goes wrong on a CPU
+  // without F16C (a portable build); int_weight.py takes torch's way for it.
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "int4_dequantize", [&] {
     const uint8_t* cp = cc.data_ptr<uint8_t>();
     const scalar_t* sp = sc.data_ptr<scalar_t>();
     scalar_t* wp = out.data_ptr<scalar_t>();

@@ -132,7 +132,8 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     on_cpu = x.device.type == "cpu" and csrc.load()
     if x.shape[0] <= INT4_GEMV_TOKENS and on_cpu:
         return torch.ops.deepinfer.int4_gemv(x, codes, scales)
-    dequantize = torch.ops.deepinfer.int4_dequantize if on_cpu else int4_dequantize_codes
+    by_csrc = on_cpu and x.dtype in (torch.float32, torch.bfloat16)  # its two dtypes
+    dequantize = torch.ops.deepinfer.int4_dequantize if by_csrc else int4_dequantize_codes
     return dequantized_linear(x, lambda r: dequantize(codes[r], scales[r].to(x.dtype)), len(codes))
 
 
