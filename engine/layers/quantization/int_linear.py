@@ -10,13 +10,11 @@ from torch import nn
 from engine.layers.moe import Experts
 from engine.layers.quantization.int_weight import (
     int4_group,
-    int4_linear,
-    int4_linear_op,
     int4_pack,
     int4_quantize,
-    int8_linear,
-    int8_linear_op,
     int8_quantize,
+    int_linear,
+    int_linear_op,
 )
 
 
@@ -24,8 +22,22 @@ def frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-class Int8Linear(nn.Module):
-    """nn.Linear's forward from int8 weights, one scale per output row."""
+class IntLinear(nn.Module):
+    """nn.Linear's forward from int8 or int4 weights (``method``) and their scales."""
+
+    method: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        multiply = int_linear_op if torch.compiler.is_compiling() else int_linear
+        y = multiply(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.method)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(IntLinear):
+    """int8 weights, one scale per output row."""
+
+    method = "int8"
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -43,15 +55,11 @@ class Int8Linear(nn.Module):
         head.weight, head.weight_scale, head.bias = table.weight, table.weight_scale, None
         return head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        multiply = int8_linear_op if torch.compiler.is_compiling() else int8_linear
-        y = multiply(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
 
+class Int4Linear(IntLinear):
+    """int4 weights, one scale per group of a row."""
 
-class Int4Linear(nn.Module):
-    """nn.Linear's forward from int4 weights, one scale per group of a row."""
+    method = "int4"
 
     def __init__(self, linear: nn.Linear, group: int) -> None:
         super().__init__()
@@ -62,12 +70,6 @@ class Int4Linear(nn.Module):
         )
         self.weight, self.weight_scale = frozen(codes), frozen(scales)
         self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        multiply = int4_linear_op if torch.compiler.is_compiling() else int4_linear
-        y = multiply(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
 
 
 class Int8Embedding(nn.Module):

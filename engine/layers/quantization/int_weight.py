@@ -107,17 +107,6 @@ def dequantized_linear(
     return out
 
 
-@torch.library.custom_op("deepinfer::int8_linear", mutates_args=())
-def int8_linear_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """int8_linear, opaque to torch.compile, which chooses the kernel on the host."""
-    return int8_linear(x, q, scales)
-
-
-@int8_linear_op.register_fake
-def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], q.shape[0])
-
-
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [tokens, cols] times the int4 weight, transposed: up to INT4_GEMV_TOKENS
     rows through the C++ operator, more through dequantized_linear (the slices
@@ -145,12 +134,19 @@ def int4_dequantize_codes(codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
     return int4_unpack(codes).to(scales.dtype) * scales.repeat_interleave(group, dim=1)
 
 
-@torch.library.custom_op("deepinfer::int4_linear", mutates_args=())
-def int4_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """int4_linear, opaque to torch.compile, which chooses the kernel on the host."""
-    return int4_linear(x, codes, scales)
+def int_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, method: str) -> torch.Tensor:
+    """int8_linear or int4_linear, by ``method``."""
+    return (int8_linear if method == "int8" else int4_linear)(x, q, scales)
 
 
-@int4_linear_op.register_fake
-def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], codes.shape[0])
+@torch.library.custom_op("deepinfer::int_linear", mutates_args=())
+def int_linear_op(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, method: str
+) -> torch.Tensor:
+    """int_linear, opaque to torch.compile, which chooses the kernel on the host."""
+    return int_linear(x, q, scales, method)
+
+
+@int_linear_op.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, method: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
