@@ -1,15 +1,17 @@
 // A few rows of activations times an int4 weight with one scale per group of a
 // row (weight-only int4, engine/layers/quantization/int_weight.py), read half a
-// byte a weight.
+// byte a weight; and the weight itself, dequantized, for a prompt's many rows.
 //
 // The codes are q + 8, two to a byte: column 2i in the low four bits of byte i,
-// column 2i + 1 in the high four. So the activations are split once, per call,
-// into their even and odd columns, in float32; then each task takes some output
-// rows, and for each widens 32 codes at a time (16 bytes) to two vectors of 16
-// float32, q exactly, in registers, and multiplies them by every activation
-// row's even and odd columns. A group's sum is multiplied by its scale, and
-// added to the row's sum. A decode step is bound by reading the weight, and
-// this reads it once for up to eight activation rows.
+// column 2i + 1 in the high four. Each task takes some output rows, and widens
+// 32 codes at a time (16 bytes) in registers, multiplying them by every
+// activation row; a group's sum is multiplied by its scale, and added to the
+// row's sum. A decode step is bound by reading the weight, and this reads it once
+// for up to eight activation rows. With bfloat16 activations and AVX-512's
+// bfloat16 dot product, the codes become bfloat16 values in column order and meet
+// the activations as they are; otherwise the activations are split once, per
+// call, into their even and odd columns, in float32, and the codes widened to
+// two vectors of float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -70,30 +72,41 @@ void row_times(const float* xe, const float* xo, int64_t K, const uint8_t* c, co
   for (int m = 0; m < R; ++m) out[m * N] = sum16(total[m]);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// bfloat16 activations, on a CPU with AVX-512's bfloat16 dot product: the 32
-// codes of 16 bytes become the bfloat16 values of q in column order, each 32-bit
-// lane holding columns 2i and 2i + 1, so that they meet the activations as they
-// are, and each pair is multiplied and summed exactly by the dot product. A code
-// c (0..15) picks its value c - 8 from a table of 16 (one permute for all 32).
-inline __m512bh codes_bf16(const uint8_t* p, __m512i table) {
+// What each code c (0..15) stands for in a group of this scale: (c - 8) times
+// the scale, formed in float32 and rounded once to T; written twice over, 32
+// values, so that a 16-bit permute can index the table with a code's 5 low bits.
+template <typename T>
+void code_values(float scale, T* value) {
+  for (int i = 0; i < 32; ++i) value[i] = static_cast<T>(static_cast<float>((i & 15) - 8) * scale);
+}
+
+#if defined(__AVX512BW__)
+// The 16-bit values that the 32 codes of 16 bytes pick from table, in column
+// order: each 32-bit lane holds columns 2i and 2i + 1, its byte's low four bits
+// in the low half and its high four in the high half, then one permute looks
+// all 32 up.
+inline __m512i look_up32(const uint8_t* p, __m512i table) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  // lane i: its byte's low four bits in the low half, its high four in the high half
   const __m512i split = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xF)),
                                         _mm512_and_si512(_mm512_slli_epi32(v, 12),
                                                          _mm512_set1_epi32(0xF0000)));
-  return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(split, table));
+  return _mm512_permutexvar_epi16(split, table);
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bfloat16 activations, on a CPU with AVX-512's bfloat16 dot product: the codes
+// of 16 bytes become the bfloat16 values of q (a table of scale 1: exact, small
+// whole numbers) in column order, so that they meet the activations as they are,
+// and each pair is multiplied and summed exactly by the dot product.
+inline __m512bh codes_bf16(const uint8_t* p, __m512i table) {
+  return reinterpret_cast<__m512bh>(look_up32(p, table));
 }
 
-inline __m512i q_table() {  // the bfloat16 bits of c - 8, for c = 0..15 (twice)
-  alignas(64) uint16_t bits[32];
-  for (int c = 0; c < 32; ++c) {
-    const float value = static_cast<float>((c & 15) - 8);
-    uint32_t wide;
-    std::memcpy(&wide, &value, sizeof wide);
-    bits[c] = static_cast<uint16_t>(wide >> 16);  // exact: small whole numbers
-  }
-  return _mm512_load_si512(bits);
+inline __m512i q_table() {
+  at::BFloat16 value[32];
+  code_values(1.0f, value);
+  return _mm512_loadu_si512(value);
 }
 
 template <int R>
@@ -186,20 +199,13 @@ void dequantize_row(const uint8_t* c, const T* s, int64_t K, int64_t G, T* w) {
   const int64_t group = K / G;
   for (int64_t g = 0; g < G; ++g) {
     T value[32];
-    for (int i = 0; i < 32; ++i) {
-      value[i] = static_cast<T>(static_cast<float>((i & 15) - 8) * static_cast<float>(s[g]));
-    }
+    code_values(static_cast<float>(s[g]), value);
     int64_t k = g * group;
 #if defined(__AVX512BW__)
     if constexpr (sizeof(T) == 2) {
       const __m512i table = _mm512_loadu_si512(value);
       for (; k + kChunk <= (g + 1) * group; k += kChunk) {
-        const __m512i v = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k / 2)));
-        const __m512i split = _mm512_or_si512(
-            _mm512_and_si512(v, _mm512_set1_epi32(0xF)),
-            _mm512_and_si512(_mm512_slli_epi32(v, 12), _mm512_set1_epi32(0xF0000)));
-        _mm512_storeu_si512(w + k, _mm512_permutexvar_epi16(split, table));
+        _mm512_storeu_si512(w + k, look_up32(c + k / 2, table));
       }
     }
 #endif

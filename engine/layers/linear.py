@@ -11,6 +11,7 @@ original, so memory does not double.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Literal
 
@@ -58,6 +59,16 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
 OneRow = Literal["onednn", "torch", "linear"]
 
 
+@functools.cache
+def cpu_flags() -> str:
+    """/proc/cpuinfo, read once: one_row_kernel and few_rows_kernel look for the
+    CPU's flags in it ("" where it cannot be read)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def one_row_kernel() -> OneRow:
     """How SharedWeightLinear multiplies one row by a row-major bfloat16 weight on
     this CPU, as measured with python -m engine.tools.cpu_linear_bench at Qwen3's
@@ -69,11 +80,7 @@ def one_row_kernel() -> OneRow:
       against F.linear's 21.23 and oneDNN's torch.mv at 28.84.
     The AMX flag stands for the first kind; any other CPU takes torch's own GEMV,
     which is also what an AVX2-only CPU runs, oneDNN having no bf16 path there."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "torch"
-    return "onednn" if " amx_bf16" in flags else "torch"
+    return "onednn" if " amx_bf16" in cpu_flags() else "torch"
 
 
 FEW_ROWS = 8  # up to this many rows, SharedWeightLinear may take the C++ operator
@@ -86,13 +93,10 @@ def few_rows_kernel() -> bool:
     1,024 head, in two rounds: 2 rows took 11.0 and 11.3 ms against F.linear's
     16.4 and 17.2, 4 rows 11.2 and 12.8 against 17.7 and 19.5, 8 rows 15.1 and
     16.7 against 20.9 and 22.2 (python -m engine.tools.cpu_linear_bench times
-    both). Only such a CPU
-    takes it: with AMX, oneDNN's tiles are unmeasured against it, and without
-    AVX-512's bfloat16 dot product the operator's float32 path is too."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    both). Only such a CPU takes it: with AMX, oneDNN's tiles are unmeasured
+    against it, and without AVX-512's bfloat16 dot product the operator's float32
+    path is too."""
+    flags = cpu_flags()
     return " avx512_bf16" in flags and " amx_bf16" not in flags and csrc.load()
 
 

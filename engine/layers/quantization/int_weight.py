@@ -115,9 +115,8 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     benchmarks/weight_linear.py at Qwen3-0.6B's MLP shapes on an AMD Zen 4 (bf16
     activations, 2 threads, idle; one weight, called again and again): at one row
     aten's time over the operator's was 0.90 to 1.17; 8 rows took 1.1 to 1.7
-    times less, 16 rows
-    1.1 to 1.5 times less; through the slices, 32 rows 1.3 to 1.6 times less,
-    and a prompt's 143 rows 1.8 to 2.5 times less."""
+    times less, 16 rows 1.1 to 1.5 times less; through the slices, 32 rows 1.3
+    to 1.6 times less, and a prompt's 143 rows 1.8 to 2.5 times less."""
     on_cpu = x.device.type == "cpu" and csrc.load()
     if x.shape[0] <= INT4_GEMV_TOKENS and on_cpu:
         return torch.ops.deepinfer.int4_gemv(x, codes, scales)
